@@ -1,0 +1,153 @@
+"""The ``batchspec`` command line (argument parsing and printing only).
+
+Exit codes: 0 success (or agreement), 1 a divergence / violation was found,
+2 bad input (the message names file, line and field).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import resources
+from pathlib import Path
+
+from rich.console import Console
+
+from spec.config import PROFILES, ConfigError
+from spec.formats import DecisionLog
+from spec.io import FormatError, load_trace, write_log
+from spec.protocol import StepLimitError
+from spec.invariants import InvariantViolation
+
+console = Console()
+err_console = Console(stderr=True)
+
+BAD_INPUT = 2
+
+
+def example_path(name: str = "quickstart") -> Path:
+    """A trace bundled with the package (``batchspec run --example``)."""
+    return Path(str(resources.files("batchspec") / "examples" / f"{name}.jsonl"))
+
+
+def _trace_arg(args) -> str:
+    if getattr(args, "trace", None):
+        return args.trace
+    return str(example_path(args.example))
+
+
+def cmd_run(args) -> int:
+    from batchspec.render import outcome_table, step_table
+    from spec.scheduler import run
+
+    trace = load_trace(_trace_arg(args))
+    records = run(trace, check_invariants=not args.no_check)
+    if args.log:
+        write_log(DecisionLog("spec", "exact", records, trace=trace.source, config=trace.config), args.log)
+    if not args.quiet:
+        title = f"{trace.name or Path(trace.source).name} — profile {trace.config.get('profile')}"
+        console.print(step_table(records, title=title, max_rows=args.max_rows))
+        console.print(outcome_table(trace, records))
+    if args.log:
+        console.print(f"decision log with reasons written to {args.log}")
+    return 0
+
+
+def cmd_explain(args) -> int:
+    from spec.scheduler import run
+
+    trace = load_trace(args.trace)
+    try:
+        req = trace.request(args.request_id)
+    except KeyError:
+        err_console.print(f"{args.trace}: no request with id {args.request_id!r}")
+        return BAD_INPUT
+    records = run(trace, trace_queue=True)
+    console.print(f"[bold]{req.id}[/]: prompt {req.prompt_len} tokens, max_tokens {req.max_tokens}, "
+                  f"arrives at step {req.arrival_step}" + (f", priority {req.priority}" if req.priority else ""))
+    last = None
+    for rec in records:
+        text = "; ".join(f"{r['rule']}: {r['text']}" for r in _story(rec, req.id))
+        if text:
+            console.print(f"  step {rec.step:>4}  " + ("(same as above)" if text == last else text), highlight=False)
+            last = text
+    return 0
+
+
+def _story(record, request_id: str) -> list[dict]:
+    """The reasons about one request in one step; a request queued behind the head
+    also gets the reason the head was not admitted."""
+    mine = [r for r in record.reasons or [] if r.get("request") == request_id]
+    for queued in [r for r in mine if r["rule"] == "WAIT.QUEUED"]:
+        head = queued["text"].rsplit(" ", 1)[-1]
+        mine += [{**r, "text": f"head {head}: {r['text']}"} for r in record.reasons
+                 if r.get("request") == head and r["rule"].startswith(("ADMIT.", "BUDGET.", "KV."))]
+    return mine
+
+
+def cmd_profiles(args) -> int:
+    from rich.table import Table
+
+    from spec.config import knob_names
+
+    names = [args.profile] if args.profile else sorted(PROFILES)
+    for name in names:
+        if name not in PROFILES:
+            err_console.print(f"unknown profile {name!r} (known: {', '.join(sorted(PROFILES))})")
+            return BAD_INPUT
+        p = PROFILES[name]
+        table = Table(title=f"{p.name} {p.version}: {p.reproduces}")
+        table.add_column("knob")
+        table.add_column("value")
+        for k in knob_names():
+            table.add_row(k, repr(getattr(p.config, k)))
+        for k, v in p.fixed.items():
+            table.add_row(f"[dim]{k}[/]", f"[dim]{v}[/]")
+        console.print(table)
+        console.print("sources: " + "; ".join(p.sources))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="batchspec", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run a trace through the spec and print the step table")
+    run.add_argument("trace", nargs="?", help="trace file (JSON lines)")
+    run.add_argument("--example", default="quickstart", help="bundled example to run when no trace is given")
+    run.add_argument("--log", help="write the decision log (exact level, with reasons) to this file")
+    run.add_argument("--max-rows", type=int, default=None, help="print at most this many steps")
+    run.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    run.add_argument("--no-check", action="store_true", help="do not check invariants after every step")
+    run.set_defaults(fn=cmd_run)
+
+    ex = sub.add_parser("explain", help="what happened to one request, and why, step by step")
+    ex.add_argument("trace")
+    ex.add_argument("request_id")
+    ex.set_defaults(fn=cmd_explain)
+
+    pr = sub.add_parser("profiles", help="list the profiles and every knob value they fix")
+    pr.add_argument("profile", nargs="?")
+    pr.set_defaults(fn=cmd_profiles)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except FormatError as e:
+        err_console.print(f"[red]error:[/] {e}", highlight=False)
+        return BAD_INPUT
+    except ConfigError as e:
+        err_console.print(f"[red]error:[/] config: {e}", highlight=False)
+        return BAD_INPUT
+    except InvariantViolation as e:
+        err_console.print(f"[red]invariant violated:[/] {e}", highlight=False)
+        return 1
+    except StepLimitError as e:
+        err_console.print(f"[red]error:[/] {e}", highlight=False)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

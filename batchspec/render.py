@@ -1,0 +1,64 @@
+"""Rich renderings shared by the commands: the step table and request stories."""
+from __future__ import annotations
+
+from rich import box
+from rich.table import Table
+
+from spec.formats import StepRecord, Trace
+
+
+def batch_cell(record: StepRecord, prompt_lens: dict[str, int] | None = None) -> str:
+    """``A:16p B:1d`` — each scheduled request with its tokens, p(refill) or d(ecode)."""
+    parts = []
+    for rid, n in record.scheduled:
+        kind = "d" if rid in record.sampled and n == 1 else "p"
+        parts.append(f"{rid}:{n}{kind}")
+    return " ".join(parts) or "-"
+
+
+def _ids(items) -> str:
+    return " ".join(i if isinstance(i, str) else f"{i[0]}({i[1]})" for i in items) or ""
+
+
+def step_table(records: list[StepRecord], title: str | None = None, max_rows: int | None = None) -> Table:
+    """One row per executed step: batch, admissions, preemptions, finishes, free blocks."""
+    table = Table(title=title, box=box.SIMPLE_HEAVY, show_lines=False)
+    for name, style in (("step", "bold"), ("batch", ""), ("admitted", "green"),
+                        ("preempted", "red"), ("finished", "cyan"), ("aborted/rejected", "magenta"), ("free", "")):
+        table.add_column(name, style=style, justify="right" if name in ("step", "free") else "left")
+    shown = records if max_rows is None else records[:max_rows]
+    for r in shown:
+        admitted = " ".join(r.new + [f"{x}(resumed)" for x in r.resumed])
+        gone = " ".join(r.aborted + [f"{x}({why})" for x, why in r.rejected])
+        free = "" if r.num_free_blocks is None else str(r.num_free_blocks)
+        table.add_row(str(r.step), batch_cell(r), admitted, _ids(r.preempted), _ids(r.finished), gone, free)
+    table.caption = "batch: id:tokens, p = prefill chunk, d = decode; free: free blocks after the step"
+    if max_rows is not None and len(records) > max_rows:
+        table.caption += f"; {len(records) - max_rows} more steps not shown (--max-rows)"
+    return table
+
+
+def outcome_table(trace: Trace, records: list[StepRecord]) -> Table:
+    """Per request: arrival, admission, preemptions, finish step and reason, output tokens."""
+    info: dict[str, dict] = {r.id: {"arrival": r.arrival_step, "outputs": 0, "preempted": 0} for r in trace.requests}
+    for rec in records:
+        for rid in rec.new:
+            info[rid].setdefault("admitted", rec.step)
+        for rid in rec.preempted:
+            info[rid]["preempted"] += 1
+        for rid in rec.sampled:
+            info[rid]["outputs"] += 1
+            info[rid].setdefault("first_token", rec.step)
+        for rid, why in rec.finished:
+            info[rid]["end"] = f"{rec.step} {why}"
+        for rid in rec.aborted:
+            info[rid]["end"] = f"{rec.step} aborted"
+        for rid, why in rec.rejected:
+            info[rid]["end"] = f"{rec.step} rejected: {why}"
+    table = Table(box=box.SIMPLE_HEAVY, title="requests")
+    for col in ("request", "arrival", "admitted", "first token", "preemptions", "outputs", "end"):
+        table.add_column(col, justify="left" if col in ("request", "end") else "right")
+    for rid, i in info.items():
+        table.add_row(rid, str(i["arrival"]), str(i.get("admitted", "-")), str(i.get("first_token", "-")),
+                      str(i["preempted"]), str(i["outputs"]), i.get("end", "-"))
+    return table

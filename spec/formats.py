@@ -1,0 +1,306 @@
+"""Data formats: traces and decision logs (DESIGN.md §3).
+
+Standard library only, and free of scheduling logic, so that every engine
+(including the independent ``gpu_engine``) can share these types.
+
+A **trace** is JSON lines: one header object, then one object per request.
+A **decision log** is JSON lines: one header object, then one ``StepRecord``
+per engine step.  Both are versioned; the JSON Schemas that validate them are
+shipped in ``spec/schemas/`` and applied by :mod:`spec.io`.
+
+Token values matter to scheduling only through stop conditions and prefix
+hashing, so a trace may give a prompt as a length (plus a shared-prefix
+group) and leave the sampled tokens to a documented synthetic rule
+(:func:`synthetic_token`).  Every engine derives the same tokens from it.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+TRACE_FORMAT = "batchspec-trace"
+LOG_FORMAT = "batchspec-log"
+FORMAT_VERSION = 1
+
+#: Comparison levels, each a superset of the previous one.
+LEVELS = ("decisions", "memory", "exact")
+
+#: Explicit size limits; errors name the limit that was hit.
+LIMITS = {
+    "requests": 1_000_000,  # requests in one trace
+    "prompt_len": 1_048_576,  # tokens in one prompt
+    "max_tokens": 1_048_576,  # output tokens of one request
+    "num_blocks": 4_194_304,  # KV blocks in the pool
+    "line_bytes": 64 * 1024 * 1024,  # bytes in one JSON line
+    "steps": 10_000_000,  # upper bound for the max_steps knob
+}
+
+#: Token ids below this are reserved (0 pad, 1 bos, 2 eos by default); synthetic
+#: prompt and output tokens never use them, so they never stop a request by accident.
+FIRST_SYNTHETIC_TOKEN = 3
+DEFAULT_VOCAB_SIZE = 32000
+DEFAULT_EOS_TOKEN_ID = 2
+
+# Finish reasons, as vLLM's statuses split them (FINISHED_STOPPED / LENGTH_CAPPED / ABORTED).
+FINISH_EOS = "eos"
+FINISH_STOP_TOKEN = "stop_token"
+FINISH_MAX_TOKENS = "max_tokens"
+FINISH_MAX_MODEL_LEN = "max_model_len"
+FINISH_REASONS = (FINISH_EOS, FINISH_STOP_TOKEN, FINISH_MAX_TOKENS, FINISH_MAX_MODEL_LEN)
+
+
+def _mix(label: str, index: int, vocab_size: int) -> int:
+    span = vocab_size - FIRST_SYNTHETIC_TOKEN
+    return FIRST_SYNTHETIC_TOKEN + zlib.crc32(f"{label}#{index}".encode()) % span
+
+
+def synthetic_token(request_id: str, index: int, vocab_size: int) -> int:
+    """The ``index``-th output token of a request whose trace gives no token there.
+
+    ``crc32("<id>#out<index>") mod (vocab_size - 3) + 3``: deterministic, the
+    same in every process and language, and never one of the reserved ids.
+    """
+    return _mix(f"{request_id}#out", index, vocab_size)
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request of a trace (one JSON line after the header)."""
+
+    id: str
+    max_tokens: int
+    prompt_len: int
+    prompt: tuple[int, ...] | None = None  # explicit token ids; else synthesized
+    arrival_step: int | None = None  # differential traces arrive at a step
+    arrival_time: float | None = None  # real traces arrive at a time in seconds
+    prefix_group: str | None = None  # requests of one group share a prompt prefix
+    prefix_len: int = 0  # length of that shared prefix
+    priority: int = 0  # smaller is more important (vLLM's convention)
+    tenant: str = "default"
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    abort_at: int | None = None  # step at which the client aborts it
+    output_tokens: tuple[int, ...] = ()  # tokens the synthetic model emits first
+
+    def prompt_token_ids(self, vocab_size: int = DEFAULT_VOCAB_SIZE) -> list[int]:
+        """The prompt's token ids: explicit, or synthesized from the id and prefix group.
+
+        Tokens ``0..prefix_len-1`` come from the group (so they are equal across
+        the group and hit each other's prefix cache); the rest from the id.
+        """
+        if self.prompt is not None:
+            return list(self.prompt)
+        shared = min(self.prefix_len, self.prompt_len) if self.prefix_group else 0
+        head = [_mix(f"{self.prefix_group}#pre", i, vocab_size) for i in range(shared)]
+        tail = [_mix(f"{self.id}#in", i, vocab_size) for i in range(shared, self.prompt_len)]
+        return head + tail
+
+    def output_token(self, index: int, vocab_size: int = DEFAULT_VOCAB_SIZE) -> int:
+        """Token number ``index`` the scheduler-only model samples for this request."""
+        if index < len(self.output_tokens):
+            return self.output_tokens[index]
+        return synthetic_token(self.id, index, vocab_size)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id}
+        if self.arrival_step is not None:
+            out["arrival_step"] = self.arrival_step
+        if self.arrival_time is not None:
+            out["arrival_time"] = self.arrival_time
+        if self.prompt is not None:
+            out["prompt"] = list(self.prompt)
+        else:
+            out["prompt_len"] = self.prompt_len
+            if self.prefix_group is not None:
+                out["prefix_group"] = self.prefix_group
+                out["prefix_len"] = self.prefix_len
+        out["max_tokens"] = self.max_tokens
+        for name, default in (("priority", 0), ("tenant", "default"), ("ignore_eos", False)):
+            if getattr(self, name) != default:
+                out[name] = getattr(self, name)
+        if self.stop_token_ids:
+            out["stop_token_ids"] = list(self.stop_token_ids)
+        if self.abort_at is not None:
+            out["abort_at"] = self.abort_at
+        if self.output_tokens:
+            out["output_tokens"] = list(self.output_tokens)
+        return out
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> "TraceRequest":
+        prompt = obj.get("prompt")
+        return cls(
+            id=obj["id"],
+            max_tokens=obj["max_tokens"],
+            prompt_len=len(prompt) if prompt is not None else obj["prompt_len"],
+            prompt=tuple(prompt) if prompt is not None else None,
+            arrival_step=obj.get("arrival_step"),
+            arrival_time=obj.get("arrival_time"),
+            prefix_group=obj.get("prefix_group"),
+            prefix_len=obj.get("prefix_len", 0),
+            priority=obj.get("priority", 0),
+            tenant=obj.get("tenant", "default"),
+            ignore_eos=obj.get("ignore_eos", False),
+            stop_token_ids=tuple(obj.get("stop_token_ids", ())),
+            abort_at=obj.get("abort_at"),
+            output_tokens=tuple(obj.get("output_tokens", ())),
+        )
+
+
+@dataclass
+class Trace:
+    """A header (engine configuration and model vocabulary) and its requests.
+
+    ``config`` is the raw knob mapping of the header: ``{"profile": ..., knob: value}``;
+    :func:`spec.config.resolve` turns it into a validated ``SchedulerConfig``.
+    """
+
+    config: dict[str, Any]
+    requests: list[TraceRequest]
+    vocab_size: int = DEFAULT_VOCAB_SIZE
+    eos_token_id: int = DEFAULT_EOS_TOKEN_ID
+    name: str | None = None
+    description: str | None = None
+    source: str | None = None  # file the trace was read from, for messages
+
+    def header_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"format": TRACE_FORMAT, "version": FORMAT_VERSION}
+        if self.name:
+            out["name"] = self.name
+        if self.description:
+            out["description"] = self.description
+        out["config"] = dict(self.config)
+        out["vocab_size"] = self.vocab_size
+        out["eos_token_id"] = self.eos_token_id
+        return out
+
+    def request(self, request_id: str) -> TraceRequest:
+        for r in self.requests:
+            if r.id == request_id:
+                return r
+        raise KeyError(request_id)
+
+
+@dataclass
+class StepRecord:
+    """What an engine decided in one step: one line of a decision log.
+
+    Lists are ordered: ``scheduled`` in the order the engine batched the
+    requests (continuing requests first, then admissions, for ``vllm-v1``);
+    ``preempted`` in preemption order; ``finished`` in the order requests were
+    freed.  Memory fields are the state at the end of the step (after frees).
+    """
+
+    step: int
+    scheduled: list[tuple[str, int]] = field(default_factory=list)
+    new: list[str] = field(default_factory=list)
+    resumed: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    finished: list[tuple[str, str]] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)
+    rejected: list[tuple[str, str]] = field(default_factory=list)
+    sampled: dict[str, int] = field(default_factory=dict)
+    # memory level
+    num_free_blocks: int | None = None
+    blocks: dict[str, int] | None = None  # request -> number of blocks it holds
+    cache_hits: dict[str, int] | None = None  # admitted request -> prefix-hit tokens
+    num_evicted: int | None = None  # cached blocks evicted in this step
+    # exact level
+    block_ids: dict[str, list[int]] | None = None
+    evicted: list[int] | None = None
+    # written by the spec only: why each decision was made
+    reasons: list[dict[str, Any]] | None = None
+
+    def to_json(self, level: str = "exact") -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "step": self.step,
+            "scheduled": [[r, n] for r, n in self.scheduled],
+            "new": list(self.new),
+            "resumed": list(self.resumed),
+            "preempted": list(self.preempted),
+            "finished": [[r, why] for r, why in self.finished],
+            "aborted": list(self.aborted),
+            "rejected": [[r, why] for r, why in self.rejected],
+            "sampled": dict(self.sampled),
+        }
+        if LEVELS.index(level) >= 1 and self.num_free_blocks is not None:
+            out["num_free_blocks"] = self.num_free_blocks
+            out["blocks"] = dict(self.blocks or {})
+            out["cache_hits"] = dict(self.cache_hits or {})
+            out["num_evicted"] = self.num_evicted or 0
+        if LEVELS.index(level) >= 2 and self.block_ids is not None:
+            out["block_ids"] = {r: list(b) for r, b in self.block_ids.items()}
+            out["evicted"] = list(self.evicted or [])
+        if self.reasons is not None:
+            out["reasons"] = self.reasons
+        return out
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> "StepRecord":
+        return cls(
+            step=obj["step"],
+            scheduled=[(r, n) for r, n in obj.get("scheduled", [])],
+            new=list(obj.get("new", [])),
+            resumed=list(obj.get("resumed", [])),
+            preempted=list(obj.get("preempted", [])),
+            finished=[(r, why) for r, why in obj.get("finished", [])],
+            aborted=list(obj.get("aborted", [])),
+            rejected=[(r, why) for r, why in obj.get("rejected", [])],
+            sampled=dict(obj.get("sampled", {})),
+            num_free_blocks=obj.get("num_free_blocks"),
+            blocks=obj.get("blocks"),
+            cache_hits=obj.get("cache_hits"),
+            num_evicted=obj.get("num_evicted"),
+            block_ids=obj.get("block_ids"),
+            evicted=obj.get("evicted"),
+            reasons=obj.get("reasons"),
+        )
+
+    def level(self) -> str:
+        """The highest comparison level this record carries."""
+        if self.block_ids is not None:
+            return "exact"
+        if self.num_free_blocks is not None:
+            return "memory"
+        return "decisions"
+
+    def is_idle(self) -> bool:
+        return not (self.scheduled or self.finished or self.aborted or self.rejected or self.preempted)
+
+
+#: Fields compared at each level (DESIGN.md §3).  ``sampled`` is compared by
+#: key (who sampled): its values are the engine's output, which the spec adopts.
+LEVEL_FIELDS = {
+    "decisions": ("scheduled", "new", "resumed", "preempted", "finished", "aborted", "rejected", "sampled"),
+    "memory": ("num_free_blocks", "blocks", "cache_hits", "num_evicted"),
+    "exact": ("block_ids", "evicted"),
+}
+
+
+def fields_at(level: str) -> tuple[str, ...]:
+    """All record fields compared at ``level`` (cumulative)."""
+    out: tuple[str, ...] = ()
+    for lv in LEVELS[: LEVELS.index(level) + 1]:
+        out += LEVEL_FIELDS[lv]
+    return out
+
+
+@dataclass
+class DecisionLog:
+    """A decision log: who wrote it, at which level, and its step records."""
+
+    engine: str
+    level: str
+    records: list[StepRecord]
+    trace: str | None = None  # the trace file it replays, if known
+    config: dict[str, Any] | None = None
+    source: str | None = None
+
+    def header_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"format": LOG_FORMAT, "version": FORMAT_VERSION, "engine": self.engine, "level": self.level}
+        if self.trace is not None:
+            out["trace"] = self.trace
+        if self.config is not None:
+            out["config"] = self.config
+        return out

@@ -1,0 +1,264 @@
+"""Invariant predicates over the spec's state, checked after every step when enabled.
+
+Each invariant has a stable id, a statement, and the real-bug families it
+catches (ids from shared/reference/real-bugs.md).  ``check_state`` runs the
+state invariants after a whole step; ``check_schedule`` runs the ones about a
+step's decisions right after ``schedule()``.  A violation raises
+:class:`InvariantViolation` naming the invariant and the evidence.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator
+
+if TYPE_CHECKING:  # pragma: no cover
+    from spec.scheduler import SchedulerOutput, SpecEngine
+
+
+class InvariantViolation(AssertionError):
+    def __init__(self, invariant_id: str, evidence: str):
+        super().__init__(f"{invariant_id}: {evidence}")
+        self.invariant_id = invariant_id
+        self.evidence = evidence
+
+
+@dataclass(frozen=True)
+class Invariant:
+    id: str
+    statement: str
+    bugs: tuple[str, ...]  # real-bugs.md entries this catches
+    profiles: str = "all"
+    check: Callable | None = None
+
+
+INVARIANTS: dict[str, Invariant] = {}
+
+
+def invariant(inv_id: str, bugs: tuple[str, ...] = (), profiles: str = "all"):
+    """Register a predicate: a generator yielding one evidence string per violation."""
+
+    def wrap(fn):
+        INVARIANTS[inv_id] = Invariant(inv_id, (fn.__doc__ or "").strip(), bugs, profiles, fn)
+        return fn
+
+    return wrap
+
+
+# -- memory ---------------------------------------------------------------
+
+
+@invariant("MEM.CONSERVATION", bugs=("VLLM-08", "SGL-01", "SGL-03", "LMD-05", "TRT-04"))
+def _conservation(eng: "SpecEngine") -> Iterator[str]:
+    """Every usable block is either in the free queue or held by a request: free + held = total."""
+    pool = eng.kv.pool
+    held = {b.block_id for t in eng.kv.req_blocks.values() for b in t}
+    free = set(pool.free.ids())
+    if len(free) + len(held) != eng.config.usable_blocks:
+        yield f"{len(free)} free + {len(held)} held != {eng.config.usable_blocks} usable"
+
+
+@invariant("MEM.FREE_XOR_HELD", bugs=("VLLM-08", "MSGL-01", "TRT-04"))
+def _free_xor_held(eng: "SpecEngine") -> Iterator[str]:
+    """No block is both free and held; free blocks have ref count 0; the null block is never handed out."""
+    pool = eng.kv.pool
+    free = pool.free.ids()
+    if len(set(free)) != len(free):
+        yield "duplicate block in the free queue"
+    held = {b.block_id for t in eng.kv.req_blocks.values() for b in t}
+    both = held & set(free)
+    if both:
+        yield f"blocks {sorted(both)[:5]} are free and held"
+    for bid in free:
+        if pool.blocks[bid].ref_cnt != 0:
+            yield f"free block {bid} has ref count {pool.blocks[bid].ref_cnt}"
+    if pool.null_block is not None and (0 in held or 0 in free):
+        yield "the null block 0 was allocated or freed"
+
+
+@invariant("MEM.REFCOUNT", bugs=("MSGL-01", "SGL-09", "VLLM-09"))
+def _refcount(eng: "SpecEngine") -> Iterator[str]:
+    """Each block's ref count equals the number of block tables that hold it."""
+    holders = Counter(b.block_id for t in eng.kv.req_blocks.values() for b in t)
+    for b in eng.kv.pool.blocks:
+        if b is eng.kv.pool.null_block:
+            continue
+        if b.ref_cnt != holders.get(b.block_id, 0):
+            yield f"block {b.block_id}: ref count {b.ref_cnt}, held by {holders.get(b.block_id, 0)}"
+
+
+@invariant("CACHE.MAP_CONSISTENT", bugs=("VLLM-19", "TGI-02", "TRT-07"))
+def _cache_map(eng: "SpecEngine") -> Iterator[str]:
+    """The prefix-cache map names exactly the blocks that carry a hash, under that hash."""
+    pool = eng.kv.pool
+    mapped = set()
+    for h, blocks in pool.cached.items():
+        for bid, b in blocks.items():
+            mapped.add(bid)
+            if b.block_hash != h:
+                yield f"block {bid} is cached under a hash it does not carry"
+    carrying = {b.block_id for b in pool.blocks if b.block_hash is not None}
+    if carrying != mapped:
+        yield f"blocks with a hash {sorted(carrying ^ mapped)[:5]} are missing from (or stale in) the map"
+
+
+@invariant("MEM.SLOTS_COVER_COMPUTED", bugs=("VLLM-17", "TRT-08", "MSGL-05"))
+def _slots(eng: "SpecEngine") -> Iterator[str]:
+    """A running request holds enough blocks for every token it has computed."""
+    bs = eng.config.block_size
+    for r in eng.running:
+        have = len(eng.kv.blocks_of(r.request_id)) * bs
+        if have < r.num_computed_tokens:
+            yield f"{r.request_id}: {r.num_computed_tokens} computed but only {have} slots"
+
+
+# -- request lifecycle ------------------------------------------------------
+
+
+@invariant("REQ.ONE_PLACE", bugs=("VLLM-10", "SGL-11", "LMD-06"))
+def _one_place(eng: "SpecEngine") -> Iterator[str]:
+    """No request is lost: each is in exactly one of waiting / running / finished / aborted / rejected, matching its status."""
+    from spec.scheduler import Status
+
+    in_running = Counter(r.request_id for r in eng.running)
+    in_waiting = Counter(r.request_id for r in eng.waiting)
+    for rid, req in eng.requests.items():
+        places = in_running[rid] + in_waiting[rid]
+        want = {Status.RUNNING: (1, 0), Status.WAITING: (0, 1), Status.PREEMPTED: (0, 1)}.get(req.status, (0, 0))
+        if (in_running[rid], in_waiting[rid]) != want:
+            yield f"{rid} ({req.status.value}) is in running x{in_running[rid]}, waiting x{in_waiting[rid]}"
+        elif places == 0 and req.status in (Status.RUNNING, Status.WAITING, Status.PREEMPTED):
+            yield f"{rid} lost"
+    for rid in eng.rejected:
+        if rid in eng.requests:
+            yield f"{rid} rejected and also admitted"
+
+
+@invariant("REQ.IDLE_HOLDS_NOTHING", bugs=("VLLM-01", "VLLM-02", "VLLM-13", "LMD-02", "TRT-05"))
+def _idle_holds_nothing(eng: "SpecEngine") -> Iterator[str]:
+    """A waiting, preempted, finished or aborted request holds no blocks and has no computed tokens."""
+    from spec.scheduler import Status
+
+    for rid, req in eng.requests.items():
+        if req.status == Status.RUNNING:
+            continue
+        if eng.kv.blocks_of(rid):
+            yield f"{rid} ({req.status.value}) holds {len(eng.kv.blocks_of(rid))} blocks"
+        if req.status in (Status.WAITING, Status.PREEMPTED) and req.num_computed_tokens:
+            yield f"{rid} ({req.status.value}) keeps {req.num_computed_tokens} computed tokens"
+
+
+@invariant("REQ.COMPUTED_LE_TOKENS", bugs=("VLLM-17", "VLLM-18", "VLLM-11"))
+def _computed(eng: "SpecEngine") -> Iterator[str]:
+    """computed <= tokens for every request; outputs never exceed max_tokens."""
+    for rid, req in eng.requests.items():
+        if req.num_computed_tokens > req.num_tokens:
+            yield f"{rid}: computed {req.num_computed_tokens} > tokens {req.num_tokens}"
+        if len(req.output_token_ids) > req.max_tokens:
+            yield f"{rid}: {len(req.output_token_ids)} outputs > max_tokens {req.max_tokens}"
+
+
+@invariant("QUEUE.FCFS_SORTED", bugs=("VLLM-04", "LMD-01", "VLLM-03"), profiles="policy=fcfs")
+def _fcfs_sorted(eng: "SpecEngine") -> Iterator[str]:
+    """Under FCFS the running list and the waiting queue are each sorted by arrival,
+    and every running request arrived before every waiting one: victims go back to
+    the front, so an earlier arrival is never passed."""
+    if eng.config.policy != "fcfs":
+        return
+    seqs = [r.arrival_seq for r in eng.running] + [r.arrival_seq for r in eng.waiting]
+    if seqs != sorted(seqs):
+        yield f"running + waiting not in arrival order: {[r.request_id for r in eng.running]} + {[r.request_id for r in eng.waiting]}"
+
+
+@invariant("SEQ.MAX_NUM_SEQS", bugs=("VLLM-16",))
+def _max_seqs(eng: "SpecEngine") -> Iterator[str]:
+    """At most max_num_seqs requests run at once."""
+    if len(eng.running) > eng.config.max_num_seqs:
+        yield f"{len(eng.running)} running > max_num_seqs {eng.config.max_num_seqs}"
+
+
+STATE_CHECKS = (
+    "MEM.CONSERVATION",
+    "MEM.FREE_XOR_HELD",
+    "MEM.REFCOUNT",
+    "CACHE.MAP_CONSISTENT",
+    "MEM.SLOTS_COVER_COMPUTED",
+    "REQ.ONE_PLACE",
+    "REQ.IDLE_HOLDS_NOTHING",
+    "REQ.COMPUTED_LE_TOKENS",
+    "QUEUE.FCFS_SORTED",
+    "SEQ.MAX_NUM_SEQS",
+)
+
+
+def check_state(eng: "SpecEngine") -> None:
+    """Run every state invariant; raise on the first violation."""
+    for inv_id in STATE_CHECKS:
+        for evidence in INVARIANTS[inv_id].check(eng):
+            raise InvariantViolation(inv_id, evidence)
+
+
+# -- per-step decisions -----------------------------------------------------
+
+
+@invariant("BUDGET.TOKENS_LE_BUDGET", bugs=("VLLM-16", "MSGL-04", "TRT-01", "TRT-02"))
+def _budget(eng: "SpecEngine", out: "SchedulerOutput", starved: bool) -> Iterator[str]:
+    """The tokens scheduled in a step sum to at most max_num_batched_tokens, and each scheduled request gets 1..remaining tokens."""
+    total = sum(s.num_tokens for s in out.scheduled)
+    if total > eng.config.max_num_batched_tokens:
+        yield f"{total} tokens scheduled > budget {eng.config.max_num_batched_tokens}"
+    for s in out.scheduled:
+        req = eng.requests[s.request_id]
+        if s.num_tokens < 1 or s.start + s.num_tokens > req.num_tokens:
+            yield f"{s.request_id}: scheduled {s.num_tokens} tokens from {s.start} of {req.num_tokens}"
+
+
+@invariant("SAMPLE.AFTER_PREFILL", bugs=("VLLM-17", "VLLM-18"))
+def _sample_after_prefill(eng: "SpecEngine", out: "SchedulerOutput", starved: bool) -> Iterator[str]:
+    """A request samples only in a step that completes its prefill (computed reaches its token count)."""
+    for s in out.scheduled:
+        req = eng.requests[s.request_id]
+        if s.samples != (s.start + s.num_tokens == req.num_tokens):
+            yield f"{s.request_id}: samples={s.samples} at {s.start}+{s.num_tokens} of {req.num_tokens}"
+
+
+@invariant("CACHE.HIT_NOT_WHOLE", bugs=("VLLM-18",))
+def _hit_not_whole(eng: "SpecEngine", out: "SchedulerOutput", starved: bool) -> Iterator[str]:
+    """A prefix-cache hit never covers a request's whole sequence: at least one token is computed."""
+    for rid, hit in out.cache_hits.items():
+        if hit >= eng.requests[rid].num_tokens:
+            yield f"{rid}: hit {hit} of {eng.requests[rid].num_tokens} tokens"
+
+
+@invariant("LIVE.NO_IDLE_STALL", bugs=("VLLM-05", "VLLM-06", "TGI-01", "LMD-03"))
+def _no_idle_stall(eng: "SpecEngine", out: "SchedulerOutput", starved: bool) -> Iterator[str]:
+    """If nothing is running and a request waits, the step admits one: the pool is
+    then entirely free, and the rejection rules guarantee every queued request fits it."""
+    if starved and not (out.new or out.resumed):
+        head = next(iter(eng.waiting)).request_id if len(eng.waiting) else "?"
+        yield f"nothing running, {len(eng.waiting)} waiting, head {head} not admitted"
+
+
+@invariant("PREEMPT.NOT_SCHEDULED", bugs=("VLLM-01", "VLLM-02"))
+def _preempted_not_scheduled(eng: "SpecEngine", out: "SchedulerOutput", starved: bool) -> Iterator[str]:
+    """A request preempted in a step is not in that step's batch and is not admitted back in it."""
+    batch = {s.request_id for s in out.scheduled}
+    for rid in out.preempted:
+        if rid in batch:
+            yield f"{rid} preempted and scheduled in the same step"
+
+
+SCHEDULE_CHECKS = (
+    "BUDGET.TOKENS_LE_BUDGET",
+    "SAMPLE.AFTER_PREFILL",
+    "CACHE.HIT_NOT_WHOLE",
+    "LIVE.NO_IDLE_STALL",
+    "PREEMPT.NOT_SCHEDULED",
+)
+
+
+def check_schedule(eng: "SpecEngine", out: "SchedulerOutput", starved: bool) -> None:
+    """Run every per-step invariant on ``schedule()``'s output; raise on the first violation."""
+    for inv_id in SCHEDULE_CHECKS:
+        for evidence in INVARIANTS[inv_id].check(eng, out, starved):
+            raise InvariantViolation(inv_id, evidence)

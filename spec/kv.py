@@ -1,0 +1,327 @@
+"""Paged KV memory: the block pool, prefix caching, allocation and freeing.
+
+State
+    ``blocks``      every block: id, ref count, and the hash of its contents if cached
+    ``free``        the free queue: truly free blocks *and* evictable cached blocks
+                    (ref count 0, hash kept), in the order they will be re-used
+    ``cached``      hash -> blocks with that content (insertion ordered, no de-dup)
+    ``req_blocks``  request -> its block table
+
+Actions (each preserves the invariants in :mod:`spec.invariants`)
+    ``get_computed_blocks``  prefix-cache lookup for a request being admitted
+    ``allocate_slots``       find blocks for this step's tokens, or fail with no effect
+    ``free``                 return a finished or preempted request's blocks
+    ``touch``                take cached blocks out of the free queue for a hit
+
+Everything follows vLLM V1 (``block_pool.py``, ``kv_cache_manager.py``; see
+shared/reference/vllm-v1-semantics.md §2), with block ids equal to vLLM's.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable, Protocol
+
+from spec.config import SchedulerConfig
+from spec.rules import declare, rule
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@rule("CACHE.BLOCK_HASH", knobs=("enable_prefix_caching", "block_size"))
+def hash_block(parent: bytes | None, tokens: Iterable[int]) -> bytes:
+    """A full block's hash chains its parent's hash with its own token ids.
+
+    ``hash_i = sha256(hash_{i-1} || tokens of block i)``, so two blocks are equal
+    only if their whole prefixes are equal.  Only *full* blocks have a hash; the
+    partially filled last block of a sequence never does (vLLM hashes with
+    sha256 too; the hash values themselves are never compared across engines).
+    """
+    h = hashlib.sha256(parent or b"batchspec-none-hash")
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
+
+
+class SequenceLike(Protocol):
+    request_id: str
+    num_computed_tokens: int
+    block_hashes: list[bytes]
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+@dataclass(eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+
+
+class FreeBlockQueue:
+    """The free queue: O(1) pop from the head, append, prepend and remove from the middle."""
+
+    def __init__(self, blocks: Iterable[KVBlock]):
+        self._q: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in blocks)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __contains__(self, block: KVBlock) -> bool:
+        return block.block_id in self._q
+
+    def ids(self) -> list[int]:
+        return list(self._q)
+
+    def popleft_n(self, n: int) -> list[KVBlock]:
+        return [self._q.popitem(last=False)[1] for _ in range(n)]
+
+    def append_n(self, blocks: list[KVBlock]) -> None:
+        for b in blocks:
+            self._q[b.block_id] = b
+
+    def prepend_n(self, blocks: list[KVBlock]) -> None:
+        """Insert ``blocks`` at the head, keeping their order (the first becomes the head)."""
+        for b in reversed(blocks):
+            self._q[b.block_id] = b
+            self._q.move_to_end(b.block_id, last=False)
+
+    def remove(self, block: KVBlock) -> None:
+        del self._q[block.block_id]
+
+
+class BlockPool:
+    """All KV blocks, the free queue and the prefix-cache map."""
+
+    def __init__(self, cfg: SchedulerConfig):
+        self.caching = cfg.enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(cfg.num_blocks)]
+        first = 1 if cfg.null_block else 0
+        self.null_block = self.blocks[0] if cfg.null_block else None
+        self.free = FreeBlockQueue(self.blocks[first:])
+        self.cached: dict[bytes, dict[int, KVBlock]] = {}
+        self.evicted: list[int] = []  # block ids evicted since the last ``take_evicted``
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def cached_block(self, block_hash: bytes) -> KVBlock | None:
+        """The earliest-cached block still holding this content (vLLM: first in the map)."""
+        same = self.cached.get(block_hash)
+        return next(iter(same.values())) if same else None
+
+    @rule("KV.POP_HEAD")
+    def get_new_blocks(self, n: int) -> list[KVBlock]:
+        """New blocks are popped from the head of the free queue, in order.
+
+        A popped block that still holds cached content is evicted right then
+        (lazy eviction): its hash leaves the cache map.  Because freed cached
+        blocks go to the tail and unhashed ones to the head, this re-uses
+        never-cached memory first and evicts cached blocks in LRU order.
+        """
+        assert n <= len(self.free), "callers check capacity first"
+        out = self.free.popleft_n(n)
+        for b in out:
+            if b.block_hash is not None:
+                self._evict(b)
+            b.ref_cnt = 1
+        return out
+
+    @rule("CACHE.EVICT_LRU", knobs=("enable_prefix_caching",))
+    def _evict(self, b: KVBlock) -> None:
+        """A cached block is evicted only when popped for re-use, never earlier.
+
+        Until then it stays hit-able in the free queue (vLLM's lazy LRU eviction).
+        """
+        same = self.cached[b.block_hash]
+        del same[b.block_id]
+        if not same:
+            del self.cached[b.block_hash]
+        b.block_hash = None
+        self.evicted.append(b.block_id)
+
+    @rule("CACHE.TOUCH", knobs=("enable_prefix_caching",))
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """A prefix hit takes each hit block out of the free queue and adds a reference.
+
+        A block that was evictable (ref count 0) stops being evictable; when it
+        is freed again it goes to the tail: the LRU "most recently used" move.
+        """
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self.free.remove(b)
+            b.ref_cnt += 1
+
+    @rule("KV.FREE_ORDER", knobs=("enable_prefix_caching",))
+    def free_blocks(self, ordered: list[KVBlock]) -> None:
+        """Freed blocks whose ref count reaches 0 re-enter the free queue.
+
+        Blocks without a hash (all of them when caching is off) go to the *head*,
+        keeping the given order, so the next allocation re-uses them first (LIFO
+        for locality).  Cached blocks go to the *tail*, so they are evicted last
+        and in the order they were freed (LRU).  Shared blocks that still have
+        holders stay out of the queue.
+        """
+        zero = []
+        for b in ordered:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                zero.append(b)
+        self.free.prepend_n([b for b in zero if b.block_hash is None])
+        self.free.append_n([b for b in zero if b.block_hash is not None])
+
+    @rule("CACHE.REGISTER_AT_ALLOCATION", knobs=("enable_prefix_caching",))
+    def cache_full_block(self, b: KVBlock, block_hash: bytes) -> None:
+        """A full block is registered in the prefix cache as soon as it is allocated.
+
+        This happens before the forward pass computes it (vLLM does the same), so
+        two identical prompts admitted in the same step share blocks.  Several
+        blocks may hold the same content; a lookup returns the earliest.
+        """
+        b.block_hash = block_hash
+        self.cached.setdefault(block_hash, {})[b.block_id] = b
+
+    def take_evicted(self) -> list[int]:
+        out, self.evicted = self.evicted, []
+        return out
+
+
+@dataclass(frozen=True)
+class AllocFailure:
+    """Why ``allocate_slots`` found no room: the rule and the numbers."""
+
+    rule: str
+    text: str
+
+
+ADMIT_FULL_SEQUENCE = declare(
+    "ADMIT.FULL_SEQUENCE",
+    """A waiting request is admitted only if the free queue holds blocks for its
+    whole current sequence (prompt plus any outputs so far), not just for this
+    step's chunk (vLLM's ``scheduler_reserve_full_isl``).  This keeps a chunked
+    prefill from being admitted only to be preempted before it finishes.
+    Future decode tokens are not reserved.""",
+    __name__,
+    knobs=("scheduler_reserve_full_isl",),
+)
+ADMIT_WATERMARK = declare(
+    "ADMIT.WATERMARK",
+    """When other requests are running, admitting a waiting or preempted request
+    must leave ``int(watermark * num_blocks)`` blocks free, headroom for the
+    running requests' growth.  A request admitted into an empty engine ignores it.""",
+    __name__,
+    knobs=("watermark",),
+)
+ALLOC_NO_BLOCKS = declare(
+    "KV.NO_FREE_BLOCKS",
+    """An allocation needs ``ceil(slots / block_size)`` blocks minus those the request
+    already holds or hits; if the free queue (evictable cached blocks included) has
+    fewer, it fails and changes nothing.""",
+    __name__,
+    knobs=("num_blocks", "block_size"),
+)
+
+
+class KVCacheManager:
+    """Per-request block tables over a :class:`BlockPool` (vLLM's KVCacheManager)."""
+
+    def __init__(self, cfg: SchedulerConfig):
+        self.cfg = cfg
+        self.block_size = cfg.block_size
+        self.pool = BlockPool(cfg)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.num_cached_block: dict[str, int] = {}
+
+    def blocks_of(self, request_id: str) -> list[KVBlock]:
+        return self.req_blocks.get(request_id, [])
+
+    @rule("CACHE.HIT", knobs=("enable_prefix_caching",))
+    def get_computed_blocks(self, req: SequenceLike) -> tuple[list[KVBlock], int]:
+        """A request being admitted reuses the longest run of cached full blocks
+        that match its leading blocks, capped so that at least one token is computed.
+
+        The hit covers at most ``num_tokens - 1`` tokens, in whole blocks: the last
+        token must run through the model to produce logits.  A 32-token prompt with
+        block size 16 hits at most 16 tokens; a 33-token prompt can hit 32.  A
+        resumed request looks up prompt *and* outputs, so it re-hits its own blocks
+        if they were not evicted.
+        """
+        if not self.pool.caching:
+            return [], 0
+        hits: list[KVBlock] = []
+        for h in req.block_hashes[: (req.num_tokens - 1) // self.block_size]:
+            b = self.pool.cached_block(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        req: SequenceLike,
+        num_new_tokens: int,
+        hit_blocks: list[KVBlock] = (),  # type: ignore[assignment]
+        num_hit_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        watermark_blocks: int = 0,
+    ) -> list[KVBlock] | AllocFailure:
+        """Give ``req`` blocks for ``num_new_tokens`` more tokens, or fail with no effect.
+
+        Hit blocks that are evictable (ref count 0) sit in the free queue, so
+        taking them consumes free blocks too (``evictable_hits`` below).
+        """
+        bs, max_len = self.block_size, self.cfg.max_model_len
+        held = len(self.blocks_of(req.request_id)) + len(hit_blocks)
+        evictable_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+        free = self.pool.num_free_blocks
+        if full_sequence_must_fit:
+            need_full = max(cdiv(min(req.num_tokens, max_len), bs) - held, 0) + evictable_hits
+            if need_full + watermark_blocks > free:
+                return self._failure(ADMIT_FULL_SEQUENCE, need_full, watermark_blocks, free, "its whole sequence")
+        total = min(req.num_computed_tokens + num_hit_tokens, max_len)
+        slots = min(total + num_new_tokens, max_len)
+        need = max(cdiv(slots, bs) - held, 0) + evictable_hits
+        if need + watermark_blocks > free:
+            return self._failure(ALLOC_NO_BLOCKS, need, watermark_blocks, free, f"{slots} slots")
+        table = self.req_blocks.setdefault(req.request_id, [])
+        if hit_blocks:
+            self.pool.touch(list(hit_blocks))
+            table.extend(hit_blocks)
+            self.num_cached_block[req.request_id] = len(hit_blocks)
+        new = self.pool.get_new_blocks(need - evictable_hits)
+        table.extend(new)
+        self.cache_blocks(req, min(total + num_new_tokens, req.num_tokens))
+        return new
+
+    @staticmethod
+    def _failure(rule_id: str, need: int, watermark: int, free: int, what: str) -> AllocFailure:
+        rule_id = ADMIT_WATERMARK if need <= free < need + watermark else rule_id
+        extra = f" + {watermark} watermark" if watermark else ""
+        return AllocFailure(rule_id, f"needs {need}{extra} blocks for {what}, {free} free")
+
+    def cache_blocks(self, req: SequenceLike, num_tokens: int) -> None:
+        """Register the request's newly full blocks covering its first ``num_tokens`` tokens."""
+        if not self.pool.caching:
+            return
+        start = self.num_cached_block.get(req.request_id, 0)
+        end = min(num_tokens // self.block_size, len(req.block_hashes))
+        table = self.req_blocks[req.request_id]
+        for i in range(start, end):
+            self.pool.cache_full_block(table[i], req.block_hashes[i])
+        self.num_cached_block[req.request_id] = max(start, end)
+
+    @rule("KV.FREE_REVERSED")
+    def free(self, request_id: str) -> None:
+        """A finished, aborted or preempted request returns its blocks tail first.
+
+        Freeing in reverse puts the deepest prefix block ahead of the leading ones,
+        so the leading blocks (shared most often) stay cached longest.
+        """
+        table = self.req_blocks.pop(request_id, [])
+        self.num_cached_block.pop(request_id, None)
+        self.pool.free_blocks(list(reversed(table)))

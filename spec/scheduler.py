@@ -1,0 +1,612 @@
+"""Request state and the step function: the executable specification itself.
+
+State (Lamport style; the invariants over it are in :mod:`spec.invariants`)
+    ``waiting``   queue of requests not holding blocks (new or preempted)
+    ``running``   list in admission order; every member holds blocks
+    ``kv``        the block pool and block tables (:mod:`spec.kv`)
+    ``requests``  every request ever added, with its status
+
+Actions
+    ``add_request``        ARRIVE.* / REJECT.*: queue it, or reject what can never be served
+    ``abort_request``      ABORT.*: the client cancels; blocks are freed at once
+    ``schedule``           phase 1 (running requests, in order) then phase 2 (admissions)
+    ``update_from_output`` append sampled tokens, apply stop rules, free finished requests
+
+One ``step()`` is ``schedule()``, the model's sampling, and
+``update_from_output()``.  Every decision is tagged with a rule id
+(:mod:`spec.rules`) and a human-readable reason in the step record.
+
+The ``vllm-v1`` profile reproduces vLLM 0.32's V1 scheduler with synchronous
+scheduling (shared/reference/vllm-v1-semantics.md §1, §3, §4).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from spec import invariants
+from spec.config import SchedulerConfig, resolve
+from spec.formats import (
+    DEFAULT_EOS_TOKEN_ID,
+    DEFAULT_VOCAB_SIZE,
+    FINISH_EOS,
+    FINISH_MAX_MODEL_LEN,
+    FINISH_MAX_TOKENS,
+    FINISH_STOP_TOKEN,
+    StepRecord,
+    Trace,
+    TraceRequest,
+)
+from spec.kv import AllocFailure, KVCacheManager, cdiv, hash_block
+from spec.protocol import drive
+from spec.queues import make_queue
+from spec.rules import declare, reason, rule
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, after a preemption
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    REJECTED = "rejected"
+
+
+@dataclass(eq=False)
+class Request:
+    """One request's scheduling state (vLLM's ``Request``, minus what plain text never uses)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_seq: int  # order of arrival: the "arrival_time" of tie-breaks
+    priority: int
+    eos_token_id: int | None  # None when the request ignores EOS
+    stop_token_ids: frozenset[int]
+    source: TraceRequest
+    block_size: int
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: Status = Status.WAITING
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._extend_block_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, i: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+
+    def append_output_token(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        self._extend_block_hashes()
+
+    def _extend_block_hashes(self) -> None:
+        """Hash every newly full block (vLLM's per-request block hasher)."""
+        bs = self.block_size
+        while (len(self.block_hashes) + 1) * bs <= self.num_tokens:
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if i else None
+            self.block_hashes.append(hash_block(parent, (self.token_at(j) for j in range(i * bs, (i + 1) * bs))))
+
+
+@dataclass
+class ScheduledRequest:
+    """One entry of a step's batch."""
+
+    request_id: str
+    num_tokens: int  # tokens computed in this step
+    start: int  # first position computed (num_computed_tokens before the step)
+    samples: bool = False  # prefill complete after this step: the model samples a token
+
+
+@dataclass
+class SchedulerOutput:
+    """The decisions of one ``schedule()`` call."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    new: list[str] = field(default_factory=list)
+    resumed: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    cache_hits: dict[str, int] = field(default_factory=dict)
+    reasons: list[dict] = field(default_factory=list)
+
+    @property
+    def samplers(self) -> list[str]:
+        return [s.request_id for s in self.scheduled if s.samples]
+
+
+# --------------------------------------------------------------------------
+# Rules: small functions, each the statement of one decision.
+# --------------------------------------------------------------------------
+
+
+@rule("REJECT.PROMPT_TOO_LONG", knobs=("max_model_len", "reject_unservable"))
+def prompt_too_long(prompt_len: int, cfg: SchedulerConfig) -> bool:
+    """A prompt that leaves no room for one output token is rejected at arrival.
+
+    ``prompt_len + 1 > max_model_len``: the request could never sample a token
+    (vLLM's front end refuses such prompts before they reach the scheduler).
+    """
+    return prompt_len + 1 > cfg.max_model_len
+
+
+@rule("REJECT.NEVER_FITS", knobs=("num_blocks", "block_size", "reject_unservable"))
+def never_fits(prompt_len: int, max_tokens: int, cfg: SchedulerConfig) -> bool:
+    """A request whose longest sequence needs more blocks than the whole pool is rejected.
+
+    Its peak KV footprint is ``min(prompt + max_tokens - 1, max_model_len - 1)``
+    slots (the last sampled token is never computed).  Without this rule it would
+    be admitted, grow, and preempt itself forever; vLLM avoids it only by refusing
+    a ``max_model_len`` the cache cannot hold at start-up.
+    """
+    peak = min(prompt_len + max_tokens - 1, cfg.max_model_len - 1)
+    return cdiv(peak, cfg.block_size) > cfg.usable_blocks
+
+
+@rule("BUDGET.LONG_PREFILL", knobs=("long_prefill_token_threshold",))
+def long_prefill_cap(cfg: SchedulerConfig, num_eligible: int) -> int:
+    """With more than one request eligible, no request takes more than
+    ``long_prefill_token_threshold`` tokens in one step (0 = no cap).
+
+    It keeps one long prompt from taking the whole budget; a request that is
+    alone is never capped.  ``eligible`` is counted before the step schedules.
+    """
+    return cfg.long_prefill_token_threshold if num_eligible > 1 else 0
+
+
+@rule("BUDGET.TOKENS", knobs=("max_num_batched_tokens", "enable_chunked_prefill"))
+def chunk_size(remaining: int, cap: int, budget: int) -> int:
+    """A request is scheduled the tokens it still lacks, cut to the per-request cap
+    and then to what is left of the step's token budget.
+
+    ``remaining`` is ``num_tokens - num_computed_tokens``: 1 for a decode, the rest
+    of the prompt (plus outputs, after a preemption) for a prefill.  A prefill cut
+    by the budget continues next step: chunked prefill.
+    """
+    n = cap if 0 < cap < remaining else remaining
+    return min(n, budget)
+
+
+@rule("BUDGET.MAX_MODEL_LEN", knobs=("max_model_len",))
+def model_len_cap(n: int, num_computed_tokens: int, cfg: SchedulerConfig) -> int:
+    """A running request never computes past position ``max_model_len - 1``."""
+    return min(n, cfg.max_model_len - num_computed_tokens - 1)
+
+
+@rule("PREEMPT.VICTIM_NEWEST", knobs=("policy",))
+def fcfs_victim(running: list[Request]) -> Request:
+    """Under FCFS the victim is the last request in the running list: the most
+    recently admitted, which is the latest arrival.  It may be the request that
+    needs the memory itself."""
+    return running[-1]
+
+
+@rule("PREEMPT.VICTIM_LOWEST_PRIORITY", knobs=("policy",))
+def priority_victim(running: list[Request]) -> Request:
+    """Under "priority" the victim is the running request with the largest
+    (priority, arrival): the least important, then the latest.  It may already be
+    scheduled in this step; its tokens are then given back to the budget."""
+    return max(running, key=lambda r: (r.priority, r.arrival_seq))
+
+
+@rule("STOP.EOS")
+def stopped_by_eos(req: Request, token: int) -> bool:
+    """Sampling the EOS token finishes the request, unless it ignores EOS."""
+    return req.eos_token_id is not None and token == req.eos_token_id
+
+
+@rule("STOP.STOP_TOKEN")
+def stopped_by_stop_token(req: Request, token: int) -> bool:
+    """Sampling one of the request's stop token ids finishes it."""
+    return token in req.stop_token_ids
+
+
+@rule("STOP.LENGTH", knobs=("max_model_len",))
+def length_capped(req: Request, cfg: SchedulerConfig) -> str | None:
+    """A request finishes when its sequence reaches ``max_model_len`` tokens or its
+    output reaches ``max_tokens`` (vLLM checks these after EOS and stop tokens)."""
+    if req.num_tokens >= cfg.max_model_len:
+        return FINISH_MAX_MODEL_LEN
+    if len(req.output_token_ids) >= req.max_tokens:
+        return FINISH_MAX_TOKENS
+    return None
+
+
+def check_stop(req: Request, token: int, cfg: SchedulerConfig) -> str | None:
+    """vLLM's ``check_stop`` order: EOS, stop tokens, then length."""
+    if stopped_by_eos(req, token):
+        return FINISH_EOS
+    if stopped_by_stop_token(req, token):
+        return FINISH_STOP_TOKEN
+    return length_capped(req, cfg)
+
+
+BUDGET_EXHAUSTED = declare(
+    "BUDGET.EXHAUSTED",
+    """A step schedules nothing more once its token budget is spent: the running
+    requests not reached yet wait for the next step (neither scheduled nor
+    preempted), and no waiting request is admitted.""",
+    __name__,
+    knobs=("max_num_batched_tokens",),
+)
+RUN_DECODE = declare("RUN.DECODE", "A running request whose prompt is computed decodes one token.", __name__)
+RUN_PREFILL = declare(
+    "RUN.PREFILL_CHUNK",
+    "A running request whose prompt is not yet computed continues its prefill with the next chunk.",
+    __name__,
+    knobs=("enable_chunked_prefill", "max_num_batched_tokens", "long_prefill_token_threshold"),
+)
+RUN_ORDER = declare(
+    "RUN.RUNNING_FIRST",
+    """Each step serves the running requests first, in admission order, then admits
+    waiting ones with what is left of the budget (vLLM V1, Sarathi).  Decodes and
+    prefill chunks are not separate phases: each request just catches up its
+    computed tokens.""",
+    __name__,
+)
+RUN_NO_BLOCKS = declare(
+    "RUN.PREEMPT_FOR_BLOCKS",
+    """When a running request cannot get the blocks for this step, requests are
+    preempted (by the victim rule) until it can; if it is itself the victim, the
+    running phase ends (under "priority" with priority_self_preempt=continue, it
+    goes on with the next running request).""",
+    __name__,
+    knobs=("policy", "priority_self_preempt"),
+)
+PREEMPT_RECOMPUTE = declare(
+    "PREEMPT.RECOMPUTE",
+    """A preempted request frees all its blocks, forgets its computed tokens (it
+    keeps its outputs) and goes back to the waiting queue; when resumed it
+    recomputes prompt and outputs, re-using whatever is still in the prefix cache.""",
+    __name__,
+    knobs=("preemption_mode",),
+)
+ADMIT_AFTER_PREEMPT = declare(
+    "ADMIT.NONE_AFTER_PREEMPT",
+    """No waiting request is admitted in a step that preempted: memory was just
+    found short, so a preempted request cannot come back in the same step.""",
+    __name__,
+    knobs=("admit_after_preempt",),
+)
+ADMIT_MAX_SEQS = declare(
+    "ADMIT.MAX_NUM_SEQS",
+    "Admission stops when max_num_seqs requests are running.",
+    __name__,
+    knobs=("max_num_seqs",),
+)
+ADMIT_NO_CHUNKING = declare(
+    "ADMIT.NO_CHUNKING",
+    """With chunked prefill off, a waiting request whose tokens exceed the remaining
+    budget blocks admission (head-of-line) until a step has room for all of them.""",
+    __name__,
+    knobs=("enable_chunked_prefill",),
+)
+ADMIT_HEAD_OF_LINE = declare(
+    "ADMIT.HEAD_OF_LINE",
+    """Admission takes the queue head only; when the head cannot be admitted, nobody
+    behind it is (no skipping: an earlier arrival is never passed).""",
+    __name__,
+    knobs=("policy",),
+)
+ADMIT_NEW = declare("ADMIT.NEW", "A waiting request that fits is admitted and joins the running list's tail.", __name__)
+ADMIT_RESUMED = declare(
+    "ADMIT.RESUMED", "A preempted request that fits is resumed: it recomputes prompt and outputs.", __name__
+)
+ARRIVE = declare("ARRIVE.QUEUED", "An arriving request that can be served joins the waiting queue.", __name__)
+ABORT = declare(
+    "ABORT.FREE",
+    "An aborted waiting or running request leaves its queue and frees its blocks at once; aborts of finished requests are ignored.",
+    __name__,
+)
+WAIT_QUEUED = declare("WAIT.QUEUED", "A request stays in the waiting queue behind the head.", __name__)
+
+
+# --------------------------------------------------------------------------
+# The engine.
+# --------------------------------------------------------------------------
+
+
+class SpecEngine:
+    """The specification as an engine (the protocol of :mod:`spec.protocol`).
+
+    ``check_invariants=True`` checks every predicate of :mod:`spec.invariants`
+    after each step.  ``trace_queue=True`` adds a WAIT.QUEUED reason for every
+    request left waiting (for ``batchspec explain``).
+    """
+
+    name = "spec"
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        vocab_size: int = DEFAULT_VOCAB_SIZE,
+        eos_token_id: int = DEFAULT_EOS_TOKEN_ID,
+        check_invariants: bool = False,
+        trace_queue: bool = False,
+    ):
+        self.config = config
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.check_invariants = check_invariants
+        self.trace_queue = trace_queue
+        self.kv = KVCacheManager(config)
+        self.waiting = make_queue(config.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.rejected: dict[str, str] = {}
+        self._fed: dict[str, int] | None = None
+        self._last: SchedulerOutput | None = None
+        self._begin_step()
+
+    @classmethod
+    def from_trace(cls, trace: Trace, **kw) -> "SpecEngine":
+        return cls(resolve(trace.config), trace.vocab_size, trace.eos_token_id, **kw)
+
+    def _begin_step(self) -> None:
+        self._aborted: list[str] = []
+        self._rejected: list[tuple[str, str]] = []
+        self._reasons: list[dict] = []
+
+    # -- protocol --------------------------------------------------------
+
+    def add_request(self, tr: TraceRequest) -> None:
+        if tr.id in self.requests or tr.id in self.rejected:
+            raise ValueError(f"duplicate request id {tr.id!r}")
+        cfg = self.config
+        why = None
+        if cfg.reject_unservable and prompt_too_long(tr.prompt_len, cfg):
+            why = ("REJECT.PROMPT_TOO_LONG", "prompt_too_long", f"prompt {tr.prompt_len} + 1 > max_model_len {cfg.max_model_len}")
+        elif cfg.reject_unservable and never_fits(tr.prompt_len, tr.max_tokens, cfg):
+            why = ("REJECT.NEVER_FITS", "never_fits", f"needs more than the {cfg.usable_blocks} usable blocks")
+        if why:
+            self.rejected[tr.id] = why[1]
+            self._rejected.append((tr.id, why[1]))
+            self._reasons.append(reason(why[0], tr.id, why[2]))
+            return
+        req = Request(
+            request_id=tr.id,
+            prompt_token_ids=tr.prompt_token_ids(self.vocab_size),
+            max_tokens=tr.max_tokens,
+            arrival_seq=len(self.requests) + len(self.rejected),
+            priority=tr.priority,
+            eos_token_id=None if tr.ignore_eos else self.eos_token_id,
+            stop_token_ids=frozenset(tr.stop_token_ids),
+            source=tr,
+            block_size=cfg.block_size,
+        )
+        self.requests[tr.id] = req
+        self.waiting.add(req)
+        self._reasons.append(reason(ARRIVE, tr.id, f"queued ({cfg.policy}), {len(self.waiting)} waiting"))
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None or req.status not in (Status.WAITING, Status.PREEMPTED, Status.RUNNING):
+            return
+        if req.status == Status.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._finish(req, Status.ABORTED, None)
+        self._aborted.append(request_id)
+        self._reasons.append(reason(ABORT, request_id, "aborted by the client"))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def feed(self, sampled: dict[str, int]) -> None:
+        """Impose the tokens the next step samples (differential replay: the engine's)."""
+        self._fed = dict(sampled)
+
+    def step(self) -> StepRecord:
+        out = self.schedule()
+        fed, self._fed = self._fed or {}, None
+        tokens = {rid: fed[rid] if rid in fed else self._synthetic_token(rid) for rid in out.samplers}
+        return self.update_from_output(tokens)
+
+    def _synthetic_token(self, request_id: str) -> int:
+        req = self.requests[request_id]
+        return req.source.output_token(len(req.output_token_ids), self.vocab_size)
+
+    # -- schedule --------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's batch: running requests first, then admissions."""
+        out = SchedulerOutput()
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        cap = long_prefill_cap(cfg, len(self.running) + len(self.waiting))
+        starved = not self.running and len(self.waiting) > 0
+        start = {r.request_id: r.num_computed_tokens for r in self.running}
+        scheduled: dict[str, int] = {}
+        budget = self._schedule_running(out, scheduled, budget, cap)
+        if out.preempted and not cfg.admit_after_preempt:
+            if len(self.waiting):
+                head = self.waiting.peek().request_id
+                out.reasons.append(reason(ADMIT_AFTER_PREEMPT, head, f"{len(out.preempted)} preempted; no admissions"))
+        else:
+            budget = self._schedule_waiting(out, scheduled, start, budget, cap)
+        for rid, n in scheduled.items():
+            req = self.requests[rid]
+            req.num_computed_tokens += n
+            out.scheduled.append(ScheduledRequest(rid, n, start[rid], req.num_computed_tokens >= req.num_tokens))
+        if self.trace_queue:
+            self._explain_queue(out)
+        if self.check_invariants:
+            invariants.check_schedule(self, out, starved)
+        self._last = out
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, scheduled: dict[str, int], budget: int, cap: int) -> int:
+        """Phase 1: walk the running list in order, preempting when blocks run out."""
+        cfg = self.config
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = chunk_size(req.num_tokens - req.num_computed_tokens, cap, budget)
+            n = model_len_cap(n, req.num_computed_tokens, cfg)
+            if n <= 0:
+                i += 1
+                continue
+            alloc = self.kv.allocate_slots(req, n)
+            while isinstance(alloc, AllocFailure):
+                victim = priority_victim(self.running) if cfg.policy == "priority" else fcfs_victim(self.running)
+                rule_id = "PREEMPT.VICTIM_LOWEST_PRIORITY" if cfg.policy == "priority" else "PREEMPT.VICTIM_NEWEST"
+                index = self.running.index(victim)
+                self.running.pop(index)
+                if index < i:
+                    i -= 1
+                if victim.request_id in scheduled:
+                    budget += scheduled.pop(victim.request_id)
+                self._preempt(victim, out)
+                out.reasons.append(reason(rule_id, victim.request_id, f"preempted so that {req.request_id} gets blocks ({alloc.text})"))
+                if victim is req:
+                    break
+                alloc = self.kv.allocate_slots(req, n)
+            if isinstance(alloc, AllocFailure):
+                out.reasons.append(reason(RUN_NO_BLOCKS, req.request_id, "preempted itself; " + (
+                    "continuing with the next running request" if cfg.policy == "priority" and cfg.priority_self_preempt == "continue"
+                    else "running phase ends")))
+                if cfg.policy == "priority" and cfg.priority_self_preempt == "continue":
+                    continue
+                break
+            scheduled[req.request_id] = n
+            budget -= n
+            kind = RUN_DECODE if req.num_computed_tokens + n >= req.num_tokens and n == 1 else RUN_PREFILL
+            out.reasons.append(reason(kind, req.request_id, f"{n} tokens ({budget} left)"))
+            i += 1
+        if budget == 0:
+            for req in self.running[i:]:
+                if req.request_id not in scheduled:
+                    out.reasons.append(reason(BUDGET_EXHAUSTED, req.request_id, "not reached: token budget spent"))
+        return budget
+
+    def _schedule_waiting(
+        self, out: SchedulerOutput, scheduled: dict[str, int], start: dict[str, int], budget: int, cap: int
+    ) -> int:
+        """Phase 2: admit from the head of the waiting queue while everything fits."""
+        cfg = self.config
+        while len(self.waiting):
+            req = self.waiting.peek()
+            rid = req.request_id
+            if budget <= 0:
+                out.reasons.append(reason(BUDGET_EXHAUSTED, rid, "head not admitted: token budget spent"))
+                break
+            if len(self.running) >= cfg.max_num_seqs:
+                out.reasons.append(reason(ADMIT_MAX_SEQS, rid, f"{len(self.running)} running = max_num_seqs"))
+                break
+            hit_blocks, hit = self.kv.get_computed_blocks(req)
+            remaining = req.num_tokens - hit
+            if not cfg.enable_chunked_prefill and (cap if 0 < cap < remaining else remaining) > budget:
+                out.reasons.append(reason(ADMIT_NO_CHUNKING, rid, f"needs {remaining} tokens at once, budget {budget}"))
+                break
+            n = chunk_size(remaining, cap, budget)
+            watermark = cfg.watermark_blocks if self.running else 0
+            alloc = self.kv.allocate_slots(req, n, hit_blocks, hit, cfg.scheduler_reserve_full_isl, watermark)
+            if isinstance(alloc, AllocFailure):
+                out.reasons.append(reason(alloc.rule, rid, alloc.text))
+                break
+            self.waiting.pop()
+            self.running.append(req)
+            resumed = req.status == Status.PREEMPTED
+            (out.resumed if resumed else out.new).append(rid)
+            req.status = Status.RUNNING
+            req.num_computed_tokens = hit
+            start[rid] = hit
+            scheduled[rid] = n
+            out.cache_hits[rid] = hit
+            budget -= n
+            what = f"{n} tokens" + (f" after a prefix hit of {hit}" if hit else "")
+            out.reasons.append(reason(ADMIT_RESUMED if resumed else ADMIT_NEW, rid, what))
+        return budget
+
+    def _explain_queue(self, out: SchedulerOutput) -> None:
+        head = None
+        for pos, req in enumerate(self.waiting):
+            if head is None:
+                head = req.request_id
+                continue
+            out.reasons.append(reason(WAIT_QUEUED, req.request_id, f"position {pos} behind {head}"))
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv.free(req.request_id)
+        req.status = Status.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.prepend(req)
+        out.preempted.append(req.request_id)
+
+    # -- output ----------------------------------------------------------
+
+    def update_from_output(self, sampled: dict[str, int]) -> StepRecord:
+        """Append each sampled token, apply the stop rules and free finished requests
+        (in scheduled order, so their blocks reach the free queue in that order)."""
+        out = self._last
+        if out is None:
+            raise RuntimeError("update_from_output() before schedule()")
+        self._last = None
+        finished: list[tuple[str, str]] = []
+        took: dict[str, int] = {}
+        for s in out.scheduled:
+            if not s.samples:
+                continue
+            req = self.requests[s.request_id]
+            token = sampled[s.request_id]
+            took[s.request_id] = token
+            req.append_output_token(token)
+            why = check_stop(req, token, self.config)
+            if why is not None:
+                self._finish(req, Status.FINISHED, why)
+                finished.append((req.request_id, why))
+                rule_id = {FINISH_EOS: "STOP.EOS", FINISH_STOP_TOKEN: "STOP.STOP_TOKEN"}.get(why, "STOP.LENGTH")
+                out.reasons.append(reason(rule_id, req.request_id, f"finished: {why} after {len(req.output_token_ids)} tokens"))
+        if finished:
+            self.running = [r for r in self.running if r.status == Status.RUNNING]
+        record = self._record(out, finished, took)
+        if self.check_invariants:
+            invariants.check_state(self)
+        self._begin_step()
+        return record
+
+    def _finish(self, req: Request, status: Status, why: str | None) -> None:
+        self.kv.free(req.request_id)
+        req.status = status
+        req.finish_reason = why
+
+    def _record(self, out: SchedulerOutput, finished: list[tuple[str, str]], sampled: dict[str, int]) -> StepRecord:
+        tables = {r.request_id: self.kv.blocks_of(r.request_id) for r in self.running}
+        evicted = self.kv.pool.take_evicted()
+        return StepRecord(
+            step=-1,
+            scheduled=[(s.request_id, s.num_tokens) for s in out.scheduled],
+            new=out.new,
+            resumed=out.resumed,
+            preempted=out.preempted,
+            finished=finished,
+            aborted=self._aborted,
+            rejected=self._rejected,
+            sampled=sampled,
+            num_free_blocks=self.kv.pool.num_free_blocks,
+            blocks={rid: len(t) for rid, t in tables.items() if t},
+            cache_hits=out.cache_hits,
+            num_evicted=len(evicted),
+            block_ids={rid: [b.block_id for b in t] for rid, t in tables.items() if t},
+            evicted=evicted,
+            reasons=self._reasons + out.reasons,
+        )
+
+
+def run(trace: Trace, check_invariants: bool = False, trace_queue: bool = False, on_step=None) -> list[StepRecord]:
+    """Run a trace through the spec alone (tokens from the trace's synthetic rule)."""
+    engine = SpecEngine.from_trace(trace, check_invariants=check_invariants, trace_queue=trace_queue)
+    return drive(engine, trace, engine.config.max_steps, on_step=on_step)
