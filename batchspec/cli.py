@@ -19,7 +19,7 @@ from spec.protocol import StepLimitError
 from spec.invariants import InvariantViolation
 
 console = Console()
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)  # error lines stay whole: they are grepped
 
 BAD_INPUT = 2
 
