@@ -84,6 +84,34 @@ def _story(record, request_id: str) -> list[dict]:
     return mine
 
 
+def cmd_check_log(args) -> int:
+    from rich.table import Table
+
+    from invariants.log_checker import check_log
+    from spec.config import resolve
+    from spec.io import load_log
+
+    log = load_log(args.log)
+    trace_path = args.trace or log.trace
+    trace = load_trace(trace_path) if trace_path else None
+    raw = dict(trace.config if trace else (log.config or {}))
+    if args.profile:
+        raw["profile"] = args.profile
+    report = check_log(log, resolve(raw), trace)
+    for note in report.skipped:
+        console.print(f"[yellow]note:[/] {note}")
+    if report.ok:
+        console.print(f"[green]ok[/]: {report.steps} steps of {log.engine}'s {log.level}-level log keep every checked invariant")
+        return 0
+    table = Table(title=f"{len(report.violations)} violations in {args.log}")
+    for col in ("invariant", "step", "request", "evidence"):
+        table.add_column(col)
+    for v in report.violations[: args.max_rows]:
+        table.add_row(v.invariant, str(v.step), v.request or "", v.evidence)
+    console.print(table)
+    return 1
+
+
 def cmd_profiles(args) -> int:
     from rich.table import Table
 
@@ -124,6 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("trace")
     ex.add_argument("request_id")
     ex.set_defaults(fn=cmd_explain)
+
+    cl = sub.add_parser("check-log", help="check every invariant an engine's decision log can show")
+    cl.add_argument("log", help="decision log (JSON lines)")
+    cl.add_argument("--profile", help="profile the engine claims (default: the trace's)")
+    cl.add_argument("--trace", help="the trace the log replays (default: the path in the log header)")
+    cl.add_argument("--max-rows", type=int, default=50)
+    cl.set_defaults(fn=cmd_check_log)
 
     pr = sub.add_parser("profiles", help="list the profiles and every knob value they fix")
     pr.add_argument("profile", nargs="?")
