@@ -112,6 +112,60 @@ def cmd_check_log(args) -> int:
     return 1
 
 
+def cmd_invariants(args) -> int:
+    from rich.table import Table
+
+    from invariants.catalogue import catalogue
+
+    table = Table(title="invariant catalogue", show_lines=True)
+    for col in ("id", "statement", "profiles", "bug families", "checked by"):
+        table.add_column(col, overflow="fold")
+    for e in catalogue():
+        table.add_row(e.id, e.statement, e.profiles, " ".join(e.bugs), ", ".join(e.checked_by))
+    console.print(table)
+    console.print("checked by: spec = after every step; hypothesis = stateful machine; log = batchspec check-log; "
+                  "z3 = batchspec prove.  Bug families: shared/reference/real-bugs.md")
+    return 0
+
+
+def cmd_prove(args) -> int:
+    import time
+
+    if args.hypothesis:
+        from invariants.stateful import run_campaign
+
+        t0 = time.perf_counter()
+        for profile, n in run_campaign(args.examples):
+            console.print(f"[green]ok[/]: Hypothesis stateful machine, profile {profile}: {n} examples, "
+                          f"every invariant held ({time.perf_counter() - t0:.1f} s)")
+        return 0
+    from invariants.z3_proofs import render_table, run_proofs
+
+    rows = run_proofs(bound="long" if args.long else "ci")
+    console.print(render_table(rows))
+    return 0 if all(r.result == "proved" for r in rows) else 1
+
+
+def cmd_generate(args) -> int:
+    from reference.cli import cli_generate, format_outputs, format_summary
+
+    from batchspec.render import step_table
+
+    try:
+        result = cli_generate(args.trace, model=args.model, seed=args.seed, sampling=args.sampling,
+                              level=args.level, log_path=args.log)
+    except (ValueError, OSError) as e:
+        if isinstance(e, FormatError):
+            raise
+        err_console.print(f"[red]error:[/] {e}", highlight=False)
+        return BAD_INPUT
+    if not args.quiet:
+        console.print(step_table(result.records, title=f"reference engine — {Path(args.trace).name}", max_rows=args.max_rows))
+    console.print(format_outputs(result), highlight=False)
+    console.print(format_summary(result), highlight=False)
+    return 0
+
+
 def cmd_profiles(args) -> int:
     from rich.table import Table
 
@@ -159,6 +213,26 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--trace", help="the trace the log replays (default: the path in the log header)")
     cl.add_argument("--max-rows", type=int, default=50)
     cl.set_defaults(fn=cmd_check_log)
+
+    inv = sub.add_parser("invariants", help="list the invariant catalogue")
+    inv.set_defaults(fn=cmd_invariants)
+
+    pv = sub.add_parser("prove", help="Z3 proofs (a table of property, bound, result, time), or a Hypothesis campaign")
+    pv.add_argument("--long", action="store_true", help="larger bounds (minutes, not seconds)")
+    pv.add_argument("--hypothesis", action="store_true", help="run the Hypothesis stateful machine instead")
+    pv.add_argument("--examples", type=int, default=500, help="examples per profile with --hypothesis")
+    pv.set_defaults(fn=cmd_prove)
+
+    gen = sub.add_parser("generate", help="run a trace through the reference engine on the tiny model")
+    gen.add_argument("trace")
+    gen.add_argument("--model", help="local folder with config.json + model.safetensors (default: seeded tiny model)")
+    gen.add_argument("--seed", type=int, default=0, help="weight seed for the tiny model")
+    gen.add_argument("--sampling", help="e.g. temperature=0.8,top_p=0.9,seed=1 (default: greedy)")
+    gen.add_argument("--level", choices=("decisions", "memory"), default="memory")
+    gen.add_argument("--log", help="write the decision log (with sampled tokens) here")
+    gen.add_argument("--max-rows", type=int, default=None)
+    gen.add_argument("--quiet", action="store_true", help="omit the step table")
+    gen.set_defaults(fn=cmd_generate)
 
     pr = sub.add_parser("profiles", help="list the profiles and every knob value they fix")
     pr.add_argument("profile", nargs="?")

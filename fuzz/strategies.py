@@ -1,70 +1,8 @@
-"""Hypothesis strategies for traces, importable by users writing their own properties.
+"""Hypothesis strategies for traces (``traces()``, ``configs()``), for users' own properties.
 
-``traces()`` draws a whole trace — configuration and requests — covering the
-vllm-v1 knobs: tiny block sizes and pools (memory pressure, preemption), tight
-budgets (chunked prefill), both queue policies, prefix groups (cache hits),
-aborts, EOS / stop tokens, and requests that must be rejected.  Shrinking works
-toward fewer requests, shorter prompts and simpler configurations.
-
-    from hypothesis import given
-    from fuzz.strategies import traces
-
-    @given(traces())
-    def test_my_engine_agrees(trace): ...
+They live in :mod:`invariants.strategies` (the invariant checkers use them too,
+and ``invariants`` may not import ``fuzz``); this is the documented import path.
 """
-from hypothesis import strategies as st
+from invariants.strategies import configs, traces
 
-from spec.formats import Trace, TraceRequest
-
-
-@st.composite
-def configs(draw):
-    max_model_len = draw(st.integers(8, 96))
-    chunked = draw(st.booleans())
-    budget = draw(st.integers(1, 64))
-    if not chunked:
-        budget = max(budget, max_model_len)
-    return {
-        "profile": "vllm-v1",
-        "block_size": draw(st.sampled_from([1, 2, 4, 8])),
-        "num_blocks": draw(st.integers(3, 32)),
-        "max_num_batched_tokens": budget,
-        "max_num_seqs": draw(st.integers(1, 6)),
-        "max_model_len": max_model_len,
-        "enable_chunked_prefill": chunked,
-        "long_prefill_token_threshold": draw(st.sampled_from([0, 0, 3, 8])),
-        "policy": draw(st.sampled_from(["fcfs", "priority"])),
-        "enable_prefix_caching": draw(st.booleans()),
-        "scheduler_reserve_full_isl": draw(st.booleans()),
-        "watermark": draw(st.sampled_from([0.0, 0.0, 0.1, 0.3])),
-        "priority_self_preempt": draw(st.sampled_from(["stop", "continue"])),
-        "max_steps": 5000,
-    }
-
-
-@st.composite
-def traces(draw):
-    config = draw(configs())
-    n = draw(st.integers(1, 8))
-    arrivals = sorted(draw(st.lists(st.integers(0, 12), min_size=n, max_size=n)))
-    requests = []
-    for i, at in enumerate(arrivals):
-        prompt_len = draw(st.integers(1, 60))
-        group = draw(st.sampled_from([None, "g1", "g2"]))
-        outputs = draw(st.lists(st.sampled_from([2, 5, 6, 7]), max_size=4))
-        requests.append(
-            TraceRequest(
-                id=f"r{i}",
-                prompt_len=prompt_len,
-                max_tokens=draw(st.integers(1, 20)),
-                arrival_step=at,
-                prefix_group=group,
-                prefix_len=draw(st.integers(0, prompt_len)) if group else 0,
-                priority=draw(st.integers(0, 3)),
-                ignore_eos=draw(st.booleans()),
-                stop_token_ids=(6,) if draw(st.booleans()) else (),
-                abort_at=at + draw(st.integers(0, 15)) if draw(st.integers(0, 4)) == 0 else None,
-                output_tokens=tuple(outputs),
-            )
-        )
-    return Trace(config=config, requests=requests, vocab_size=64, eos_token_id=2)
+__all__ = ["configs", "traces"]

@@ -39,7 +39,7 @@ def invariant(inv_id: str, bugs: tuple[str, ...] = (), profiles: str = "all"):
     """Register a predicate: a generator yielding one evidence string per violation."""
 
     def wrap(fn):
-        INVARIANTS[inv_id] = Invariant(inv_id, (fn.__doc__ or "").strip(), bugs, profiles, fn)
+        INVARIANTS[inv_id] = Invariant(inv_id, " ".join((fn.__doc__ or "").split()), bugs, profiles, fn)
         return fn
 
     return wrap

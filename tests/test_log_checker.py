@@ -131,3 +131,16 @@ def test_cli_check_log(tmp_path):
     no = subprocess.run(cmd + [str(bad), "--profile", "vllm-v1"], capture_output=True, text=True, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
     assert no.returncode == 1
     assert "PREEMPT.VICTIM_RULE" in no.stdout and "3" in no.stdout
+
+
+def test_catalogue_covers_every_check_and_cli_lists_it():
+    from invariants.catalogue import catalogue
+    from invariants.log_checker import LOG_CHECKS
+
+    ids = {e.id for e in catalogue()}
+    assert set(LOG_CHECKS) <= ids
+    assert all(e.checked_by and e.statement for e in catalogue())
+    proc = subprocess.run([sys.executable, "-m", "batchspec.cli", "invariants"], capture_output=True, text=True,
+                          env={"COLUMNS": "250", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0
+    assert all(i in proc.stdout for i in ids)
