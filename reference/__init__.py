@@ -5,6 +5,8 @@
 * :mod:`reference.engine`   — :class:`ReferenceEngine`, the engine protocol over the spec;
 * :mod:`reference.cli`      — ``batchspec generate`` (:func:`cli_generate`).
 """
+from reference.cli import GenerateResult, cli_generate
+from reference.engine import ReferenceEngine, generate_alone, make_model
 from reference.model import (
     KVCache,
     TinyLlama,
@@ -14,11 +16,20 @@ from reference.model import (
     save_pretrained,
 )
 from reference.sampling import GREEDY, SamplingParams, sample
-from reference.engine import ReferenceEngine, generate_alone, make_model
-from reference.cli import GenerateResult, cli_generate
 
 __all__ = [
-    "KVCache", "TinyLlama", "TinyLlamaConfig", "init_weights", "load_pretrained", "save_pretrained",
-    "GREEDY", "SamplingParams", "sample", "ReferenceEngine", "generate_alone", "make_model",
-    "GenerateResult", "cli_generate",
+    "GREEDY",
+    "GenerateResult",
+    "KVCache",
+    "ReferenceEngine",
+    "SamplingParams",
+    "TinyLlama",
+    "TinyLlamaConfig",
+    "cli_generate",
+    "generate_alone",
+    "init_weights",
+    "load_pretrained",
+    "make_model",
+    "sample",
+    "save_pretrained",
 ]

@@ -12,12 +12,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from spec.formats import DecisionLog, StepRecord, Trace
-from spec.io import load_trace, write_log
-from spec.protocol import drive
 from reference.engine import ENGINE_LEVELS, ReferenceEngine
 from reference.model import TinyLlama
 from reference.sampling import SamplingParams
+from spec.formats import DecisionLog, StepRecord, Trace
+from spec.io import load_trace, write_log
+from spec.protocol import drive
 
 
 @dataclass

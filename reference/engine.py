@@ -17,15 +17,16 @@ The engine writes the decision log (:class:`~spec.formats.StepRecord`) at the
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from spec.formats import StepRecord, Trace, TraceRequest
-from spec.scheduler import SpecEngine
 from reference.model import KVCache, TinyLlama, TinyLlamaConfig, load_pretrained
 from reference.sampling import GREEDY, SamplingParams, sample
+from spec.formats import StepRecord, Trace, TraceRequest
+from spec.scheduler import SpecEngine
 
 ENGINE_LEVELS = ("decisions", "memory")
 
@@ -48,13 +49,25 @@ def make_model(model=None, vocab_size: int = TinyLlamaConfig.vocab_size, seed: i
     raise TypeError(f"model must be None, a folder, a TinyLlamaConfig or a TinyLlama, got {type(model).__name__}")
 
 
+@contextmanager
+def torch_threads(n: int | None):
+    """Run the body with ``n`` torch intra-op threads (``None``: leave the setting alone)."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 class ReferenceEngine:
     """The engine protocol (DESIGN.md §5) over the spec's scheduler and :class:`TinyLlama`."""
 
     name = "reference"
 
     def __init__(self, spec: SpecEngine, model: TinyLlama, sampling: SamplingParams = GREEDY,
-                 level: str = "memory", keep_logits: bool = False):
+                 level: str = "memory", keep_logits: bool = False, num_threads: int | None = 1):
         if model.config.vocab_size < spec.vocab_size:
             raise ValueError(
                 f"the trace's vocab_size {spec.vocab_size} exceeds the model's {model.config.vocab_size}: "
@@ -76,13 +89,18 @@ class ReferenceEngine:
         self.caches: dict[str, KVCache] = {}  # requests with computed positions
         self.logits: dict[str, list[Tensor]] | None = {} if keep_logits else None
         self.num_computed = 0  # positions the model ran, recomputation included
+        # One thread by default: the tiny model's matrices are too small to split, and
+        # spinning worker threads on a shared CPU make it ~10x slower.
+        self.num_threads = num_threads
 
     @classmethod
     def from_trace(cls, trace: Trace, model=None, sampling: SamplingParams | None = None, seed: int = 0,
-                   level: str = "memory", check_invariants: bool = False, keep_logits: bool = False) -> "ReferenceEngine":
+                   level: str = "memory", check_invariants: bool = False, keep_logits: bool = False,
+                   num_threads: int | None = 1) -> ReferenceEngine:
         """An engine for ``trace``: its knobs, vocabulary and EOS; ``model`` as in :func:`make_model`."""
         spec = SpecEngine.from_trace(trace, check_invariants=check_invariants)
-        return cls(spec, make_model(model, trace.vocab_size, seed), sampling or GREEDY, level, keep_logits)
+        model = make_model(model, trace.vocab_size, seed)
+        return cls(spec, model, sampling or GREEDY, level, keep_logits, num_threads)
 
     # -- protocol ----------------------------------------------------------
 
@@ -104,10 +122,11 @@ class ReferenceEngine:
         for rid in out.preempted:
             self.caches.pop(rid, None)  # recompute preemption: the KV is gone
         sampled: dict[str, int] = {}
-        for s in out.scheduled:
-            logits = self._run(s.request_id, s.start, s.start + s.num_tokens)
-            if s.samples:
-                sampled[s.request_id] = self._sample(s.request_id, logits)
+        with torch_threads(self.num_threads):
+            for s in out.scheduled:
+                logits = self._run(s.request_id, s.start, s.start + s.num_tokens)
+                if s.samples:
+                    sampled[s.request_id] = self._sample(s.request_id, logits)
         record = self.spec.update_from_output(sampled)
         for rid in [r for r, _ in record.finished] + record.aborted:
             self.caches.pop(rid, None)
@@ -146,15 +165,15 @@ class ReferenceEngine:
         return record
 
 
-@torch.inference_mode()
 def generate_alone(model: TinyLlama, prompt: list[int], max_tokens: int, sampling: SamplingParams = GREEDY,
                    request_id: str = "r", eos_token_id: int | None = None) -> list[int]:
     """One request, whole prompt at once, then one decode per token: the simplest possible run."""
     cache, out = model.new_cache(), []
-    logits = model(prompt, cache)[-1]
-    while len(out) < max_tokens:
-        out.append(sample(logits, sampling, request_id, len(out)))
-        if out[-1] == eos_token_id or len(out) == max_tokens:
-            break
-        logits = model([out[-1]], cache)[-1]
+    with torch_threads(1):
+        logits = model(prompt, cache)[-1]
+        while len(out) < max_tokens:
+            out.append(sample(logits, sampling, request_id, len(out)))
+            if out[-1] == eos_token_id or len(out) == max_tokens:
+                break
+            logits = model([out[-1]], cache)[-1]
     return out

@@ -2,7 +2,7 @@
 
 It is the numerics oracle: every request runs alone against its own dense,
 contiguous KV cache (:class:`KVCache`), attention is an explicit
-``softmax(q kᵀ / √d + causal mask) v`` in float32, and nothing is fused,
+``softmax(q kᵀ / √d + causal mask) v``, and nothing is fused,
 paged or batched.
 
 Conventions (shared with ``gpu_engine``, which must load the same weights and
@@ -14,6 +14,16 @@ produce the same greedy tokens):
 * ``config.json`` keys are Hugging Face's (:class:`TinyLlamaConfig`);
 * RoPE is HF Llama's default: ``rotate_half``, non-interleaved halves, no scaling;
 * seeded weights follow :func:`init_weights` exactly.
+
+Weights are float32 (files, seeds); the model *computes* in float64 by
+default.  Why: a float32 matmul's rounding depends on how many rows it is
+given, so a prompt prefilled in chunks gets logits that differ in the last
+bits from the same prompt in one piece (~2e-6 here), and a near-tie could
+flip a token.  In float64 those differences are ~1e-15, far below any gap
+between two logits, so a request's tokens are the same however the spec
+chunks, batches or preempts it, and the invariance tests compare tokens with
+``==``.  ``dtype=torch.float32`` computes like HF in float32
+(a whole-prompt pass matches ``LlamaForCausalLM`` bit for bit).
 """
 from __future__ import annotations
 
@@ -66,7 +76,7 @@ class TinyLlamaConfig:
                 "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32"}
 
     @classmethod
-    def from_json(cls, obj: dict) -> "TinyLlamaConfig":
+    def from_json(cls, obj: dict) -> TinyLlamaConfig:
         """Read an HF ``config.json``; unknown keys are ignored, unsupported variants refused."""
         if obj.get("hidden_act", "silu") != "silu":
             raise ValueError(f"only hidden_act='silu' is supported, got {obj['hidden_act']!r}")
@@ -268,7 +278,7 @@ class TinyLlama(nn.Module):
             self.load_weights(weights)
 
     @classmethod
-    def from_seed(cls, config: TinyLlamaConfig | None = None, seed: int = 0, dtype=torch.float64) -> "TinyLlama":
+    def from_seed(cls, config: TinyLlamaConfig | None = None, seed: int = 0, dtype=torch.float64) -> TinyLlama:
         config = config or TinyLlamaConfig()
         return cls(config, init_weights(config, seed), dtype)
 
@@ -318,6 +328,13 @@ class TinyLlama(nn.Module):
     def new_cache(self) -> KVCache:
         return KVCache(self.config.num_hidden_layers)
 
+    def save_pretrained(self, folder: str | Path) -> Path:
+        return save_pretrained(self, folder)
+
+    @staticmethod
+    def from_pretrained(folder: str | Path) -> TinyLlama:
+        return load_pretrained(folder)
+
 
 # ----------------------------------------------------------------------------- files
 
@@ -344,7 +361,3 @@ def load_pretrained(folder: str | Path) -> TinyLlama:
             raise FileNotFoundError(f"{folder / name}: missing (a model folder holds {CONFIG_FILE} and {WEIGHTS_FILE})")
     config = TinyLlamaConfig.from_json(json.loads((folder / CONFIG_FILE).read_text()))
     return TinyLlama(config, load_file(str(folder / WEIGHTS_FILE)))
-
-
-TinyLlama.save_pretrained = save_pretrained  # model.save_pretrained(folder)
-TinyLlama.from_pretrained = staticmethod(load_pretrained)  # TinyLlama.from_pretrained(folder)

@@ -51,7 +51,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @classmethod
-    def parse(cls, text: str | None) -> "SamplingParams":
+    def parse(cls, text: str | None) -> SamplingParams:
         """``"greedy"`` or ``"temperature=0.8,top_k=50,top_p=0.9,seed=1"`` (for the CLI)."""
         if not text or text == "greedy":
             return cls()
