@@ -166,6 +166,68 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_fuzz(args) -> int:
+    import os
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from fuzz.campaign import CampaignConfig, run_campaign
+    from spec.rules import all_rules
+
+    RULES = {k for k, r in all_rules().items() if r.fires}
+
+    try:
+        i, n = (int(x) for x in args.shard.split("/"))
+        assert 0 <= i < n
+    except (ValueError, AssertionError):
+        err_console.print(f"error: --shard must be i/n with 0 <= i < n, got {args.shard!r}")
+        return BAD_INPUT
+    if args.traces is None and args.seconds is None:
+        args.traces = 200
+    cfg = CampaignConfig(seed=args.seed, engine=args.engine, level=args.level, traces=args.traces, seconds=args.seconds,
+                         workers=args.workers or os.cpu_count() or 1, shard=(i, n), corpus=args.corpus,
+                         timeout=args.timeout, shrink_tries=args.shrink_tries, resume=args.resume, ray=args.ray)
+    total = args.traces
+    with Progress(TextColumn("[bold]fuzz[/] {task.fields[engine]}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[rate]:.1f} traces/s · findings {task.fields[findings]} · "
+                             "rules {task.fields[rules]}/{task.fields[all_rules]}"),
+                  TimeElapsedColumn(), console=console, transient=False) as bar:
+        task = bar.add_task("fuzz", total=total, engine=f"spec vs {args.engine} ({args.level})", rate=0.0,
+                            findings=0, rules=0, all_rules=len(RULES))
+
+        def on_round(state, outcomes):
+            bar.update(task, completed=state.traces, rate=state.traces / max(state.seconds, 1e-9),
+                       findings=len(state.findings), rules=len(state.covered))
+
+        try:
+            state = run_campaign(cfg, on_round=on_round)
+        except KeyboardInterrupt:
+            console.print(f"interrupted: state saved; continue with the same command plus --resume")
+            return 130
+    table = Table(title=f"campaign seed {cfg.seed}, shard {i}/{n}: spec vs {cfg.engine} at the {cfg.level} level")
+    table.add_column("traces", justify="right")
+    table.add_column("steps", justify="right")
+    table.add_column("traces/s", justify="right")
+    table.add_column("rule ids hit", justify="right")
+    table.add_column("findings", justify="right")
+    table.add_row(str(state.traces), str(state.steps), f"{state.traces / max(state.seconds, 1e-9):.1f}",
+                  f"{len(state.covered)}/{len(RULES)}", str(len(state.findings)))
+    console.print(table)
+    if state.findings:
+        ft = Table(title=f"findings (saved in {cfg.corpus}/)")
+        for col in ("signature", "hits", "first trace", "shrunk to"):
+            ft.add_column(col)
+        for name, f in state.findings.items():
+            ft.add_row(name, str(f["count"]), str(f["first_trace"]),
+                       f"{f['requests']} requests" if f.get("requests") else f.get("error", "-"))
+        console.print(ft)
+    missed = sorted(set(RULES) - set(state.covered))
+    if missed:
+        console.print(f"rule ids not hit: {', '.join(missed)}")
+    return 1 if state.findings else 0
+
+
 def cmd_profiles(args) -> int:
     from rich.table import Table
 
@@ -213,6 +275,21 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--trace", help="the trace the log replays (default: the path in the log header)")
     cl.add_argument("--max-rows", type=int, default=50)
     cl.set_defaults(fn=cmd_check_log)
+
+    fz = sub.add_parser("fuzz", help="differential fuzz campaign: random traces through the spec and an engine")
+    fz.add_argument("--engine", default="gpu", help="engine under test (gpu, gpu-model, reference, vllm, spec)")
+    fz.add_argument("--level", choices=("decisions", "memory", "exact"), default="exact")
+    fz.add_argument("--traces", type=int, help="trace budget for this shard (default 200 when no --seconds)")
+    fz.add_argument("--seconds", type=float, help="time budget")
+    fz.add_argument("--seed", type=int, default=0, help="campaign seed: same seed, same traces, same findings")
+    fz.add_argument("--workers", type=int, default=0, help="worker processes (default: all cores)")
+    fz.add_argument("--shard", default="0/1", help="i/n: run the traces k with k %% n == i")
+    fz.add_argument("--corpus", default="findings", help="directory for findings and the campaign state")
+    fz.add_argument("--timeout", type=float, default=60.0, help="seconds per trace before it counts as a hang")
+    fz.add_argument("--shrink-tries", type=int, default=400, help="replays spent shrinking each finding")
+    fz.add_argument("--resume", action="store_true", help="continue the campaign saved in the corpus directory")
+    fz.add_argument("--ray", metavar="ADDRESS", help="run the traces on an existing Ray cluster (extra `ray`)")
+    fz.set_defaults(fn=cmd_fuzz)
 
     inv = sub.add_parser("invariants", help="list the invariant catalogue")
     inv.set_defaults(fn=cmd_invariants)

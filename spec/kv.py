@@ -240,7 +240,7 @@ class KVCacheManager:
     def blocks_of(self, request_id: str) -> list[KVBlock]:
         return self.req_blocks.get(request_id, [])
 
-    @rule("CACHE.HIT", knobs=("enable_prefix_caching",))
+    @rule("CACHE.HIT", knobs=("enable_prefix_caching",), applies=lambda hit: hit[1] > 0)
     def get_computed_blocks(self, req: SequenceLike) -> tuple[list[KVBlock], int]:
         """A request being admitted reuses the longest run of cached full blocks
         that match its leading blocks, capped so that at least one token is computed.

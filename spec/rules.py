@@ -8,7 +8,9 @@ is generated from this registry, and the triage report quotes it.
 """
 from __future__ import annotations
 
+import functools
 import inspect
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
@@ -21,39 +23,69 @@ class Rule:
     statement: str  # what the rule is, and why engines do it
     where: str  # the function or module that implements it
     knobs: tuple[str, ...] = ()  # knobs that change it
+    fires: bool = True  # False for statements of structure that no single decision shows
 
 
 RULES: dict[str, Rule] = {}
 
+#: How often each rule fired (its function returned a decision, or a reason cited it);
+#: fuzz campaigns read it for rule-id coverage.
+HITS: Counter = Counter()
 
-def _register(rule_id: str, statement: str, where: str, knobs: tuple[str, ...]) -> None:
+
+def _register(rule_id: str, statement: str, where: str, knobs: tuple[str, ...], fires: bool = True) -> None:
     if rule_id in RULES and RULES[rule_id].where != where:
         raise ValueError(f"rule id {rule_id} registered twice ({RULES[rule_id].where}, {where})")
-    RULES[rule_id] = Rule(rule_id, inspect.cleandoc(statement), where, knobs)
+    RULES[rule_id] = Rule(rule_id, inspect.cleandoc(statement), where, knobs, fires)
 
 
-def rule(rule_id: str, knobs: tuple[str, ...] = ()) -> Callable[[F], F]:
-    """Register the decorated function as the implementation of ``rule_id``."""
+def rule(rule_id: str, knobs: tuple[str, ...] = (), applies: Callable | None = None) -> Callable[[F], F]:
+    """Register the decorated function as the implementation of ``rule_id``.
+
+    Every call counts as the rule firing, unless ``applies(result)`` says the
+    rule did not apply (a predicate that returned False, a lookup that found nothing).
+    """
 
     def wrap(fn: F) -> F:
         _register(rule_id, fn.__doc__ or "", f"{fn.__module__}.{fn.__qualname__}", knobs)
-        fn.rule_id = rule_id  # type: ignore[attr-defined]
-        return fn
+
+        @functools.wraps(fn)
+        def counted(*args, **kwargs):
+            result = fn(*args, **kwargs)
+            if applies is None or applies(result):
+                HITS[rule_id] += 1
+            return result
+
+        counted.rule_id = rule_id  # type: ignore[attr-defined]
+        return counted  # type: ignore[return-value]
 
     return wrap
 
 
-def declare(rule_id: str, statement: str, where: str, knobs: tuple[str, ...] = ()) -> str:
+def declare(rule_id: str, statement: str, where: str, knobs: tuple[str, ...] = (), fires: bool = True) -> str:
     """Register a rule that has no function of its own; return its id."""
-    _register(rule_id, statement, where, knobs)
+    _register(rule_id, statement, where, knobs, fires)
     return rule_id
+
+
+def fired(rule_id: str) -> None:
+    """Count a declared rule as fired when no reason is written for it."""
+    HITS[rule_id] += 1
 
 
 def reason(rule_id: str, request: str | None, text: str) -> dict:
     """One entry of a step record's ``reasons``: which rule decided what for whom."""
     if rule_id not in RULES:
         raise KeyError(f"unregistered rule id {rule_id}")
+    HITS[rule_id] += 1
     out = {"rule": rule_id, "text": text}
     if request is not None:
         out["request"] = request
     return out
+
+
+def all_rules() -> dict[str, Rule]:
+    """Every rule of the spec (importing the modules that register them)."""
+    import spec.scheduler  # noqa: F401  (imports kv and queues too)
+
+    return RULES

@@ -40,7 +40,7 @@ from spec.formats import (
 from spec.kv import AllocFailure, KVCacheManager, cdiv, hash_block
 from spec.protocol import drive
 from spec.queues import make_queue
-from spec.rules import declare, reason, rule
+from spec.rules import declare, fired, reason, rule
 
 
 class Status(enum.Enum):
@@ -131,7 +131,7 @@ class SchedulerOutput:
 # --------------------------------------------------------------------------
 
 
-@rule("REJECT.PROMPT_TOO_LONG", knobs=("max_model_len", "reject_unservable"))
+@rule("REJECT.PROMPT_TOO_LONG", knobs=("max_model_len", "reject_unservable"), applies=bool)
 def prompt_too_long(prompt_len: int, cfg: SchedulerConfig) -> bool:
     """A prompt that leaves no room for one output token is rejected at arrival.
 
@@ -141,7 +141,7 @@ def prompt_too_long(prompt_len: int, cfg: SchedulerConfig) -> bool:
     return prompt_len + 1 > cfg.max_model_len
 
 
-@rule("REJECT.NEVER_FITS", knobs=("num_blocks", "block_size", "reject_unservable"))
+@rule("REJECT.NEVER_FITS", knobs=("num_blocks", "block_size", "reject_unservable"), applies=bool)
 def never_fits(prompt_len: int, max_tokens: int, cfg: SchedulerConfig) -> bool:
     """A request whose longest sequence needs more blocks than the whole pool is rejected.
 
@@ -154,7 +154,7 @@ def never_fits(prompt_len: int, max_tokens: int, cfg: SchedulerConfig) -> bool:
     return cdiv(peak, cfg.block_size) > cfg.usable_blocks
 
 
-@rule("BUDGET.LONG_PREFILL", knobs=("long_prefill_token_threshold",))
+@rule("BUDGET.LONG_PREFILL", knobs=("long_prefill_token_threshold",), applies=bool)
 def long_prefill_cap(cfg: SchedulerConfig, num_eligible: int) -> int:
     """With more than one request eligible, no request takes more than
     ``long_prefill_token_threshold`` tokens in one step (0 = no cap).
@@ -200,19 +200,19 @@ def priority_victim(running: list[Request]) -> Request:
     return max(running, key=lambda r: (r.priority, r.arrival_seq))
 
 
-@rule("STOP.EOS")
+@rule("STOP.EOS", applies=bool)
 def stopped_by_eos(req: Request, token: int) -> bool:
     """Sampling the EOS token finishes the request, unless it ignores EOS."""
     return req.eos_token_id is not None and token == req.eos_token_id
 
 
-@rule("STOP.STOP_TOKEN")
+@rule("STOP.STOP_TOKEN", applies=bool)
 def stopped_by_stop_token(req: Request, token: int) -> bool:
     """Sampling one of the request's stop token ids finishes it."""
     return token in req.stop_token_ids
 
 
-@rule("STOP.LENGTH", knobs=("max_model_len",))
+@rule("STOP.LENGTH", knobs=("max_model_len",), applies=bool)
 def length_capped(req: Request, cfg: SchedulerConfig) -> str | None:
     """A request finishes when its sequence reaches ``max_model_len`` tokens or its
     output reaches ``max_tokens`` (vLLM checks these after EOS and stop tokens)."""
@@ -254,6 +254,7 @@ RUN_ORDER = declare(
     prefill chunks are not separate phases: each request just catches up its
     computed tokens.""",
     __name__,
+    fires=False,
 )
 RUN_NO_BLOCKS = declare(
     "RUN.PREEMPT_FOR_BLOCKS",
@@ -292,13 +293,6 @@ ADMIT_NO_CHUNKING = declare(
     __name__,
     knobs=("enable_chunked_prefill",),
 )
-ADMIT_HEAD_OF_LINE = declare(
-    "ADMIT.HEAD_OF_LINE",
-    """Admission takes the queue head only; when the head cannot be admitted, nobody
-    behind it is (no skipping: an earlier arrival is never passed).""",
-    __name__,
-    knobs=("policy",),
-)
 ADMIT_NEW = declare("ADMIT.NEW", "A waiting request that fits is admitted and joins the running list's tail.", __name__)
 ADMIT_RESUMED = declare(
     "ADMIT.RESUMED", "A preempted request that fits is resumed: it recomputes prompt and outputs.", __name__
@@ -309,7 +303,13 @@ ABORT = declare(
     "An aborted waiting or running request leaves its queue and frees its blocks at once; aborts of finished requests are ignored.",
     __name__,
 )
-WAIT_QUEUED = declare("WAIT.QUEUED", "A request stays in the waiting queue behind the head.", __name__)
+WAIT_QUEUED = declare(
+    "WAIT.QUEUED",
+    """Admission takes the queue head only: when the head cannot be admitted, every
+    request behind it stays queued (no skipping: an earlier arrival is never passed).""",
+    __name__,
+    knobs=("policy",),
+)
 
 
 # --------------------------------------------------------------------------
@@ -440,6 +440,8 @@ class SpecEngine:
             req = self.requests[rid]
             req.num_computed_tokens += n
             out.scheduled.append(ScheduledRequest(rid, n, start[rid], req.num_computed_tokens >= req.num_tokens))
+        if len(self.waiting) > 1:
+            fired(WAIT_QUEUED)
         if self.trace_queue:
             self._explain_queue(out)
         if self.check_invariants:
@@ -539,6 +541,7 @@ class SpecEngine:
             out.reasons.append(reason(WAIT_QUEUED, req.request_id, f"position {pos} behind {head}"))
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        fired(PREEMPT_RECOMPUTE)
         self.kv.free(req.request_id)
         req.status = Status.PREEMPTED
         req.num_computed_tokens = 0
