@@ -225,7 +225,9 @@ def cmd_fuzz(args) -> int:
     missed = sorted(set(RULES) - set(state.covered))
     if missed:
         console.print(f"rule ids not hit: {', '.join(missed)}")
-    return 1 if state.findings else 0
+    if state.errors:
+        err_console.print(f"[red]{state.errors} traces failed inside the harness[/]; first: {state.first_error}")
+    return 1 if state.findings or state.errors else 0
 
 
 def cmd_profiles(args) -> int:

@@ -46,7 +46,7 @@ STEERING: dict[str, dict[str, Any]] = {
     "RUN.PREEMPT_FOR_BLOCKS": {"tight_memory": True},
     "KV.": {"tight_memory": True},
     "CACHE.": {"prefix_groups": True, "enable_prefix_caching": True, "clones": True},
-    "ADMIT.NO_CHUNKING": {"enable_chunked_prefill": False},
+    "ADMIT.NO_CHUNKING": {"enable_chunked_prefill": False, "max_model_len": 64, "max_num_batched_tokens": 64},
     "ADMIT.WATERMARK": {"watermark": 0.1, "tight_memory": True},
     "ADMIT.MAX_NUM_SEQS": {"max_num_seqs": 2},
     "ADMIT.FULL_SEQUENCE": {"tight_memory": True, "scheduler_reserve_full_isl": True},
@@ -99,7 +99,18 @@ class Outcome:
 
 
 def run_task(task: Task) -> Outcome:
-    """Generate, replay, and shrink on divergence (runs in a worker)."""
+    """Generate, replay, and shrink on divergence (runs in a worker).
+
+    A failure of the harness itself (not of the engine, which :func:`replay`
+    reports as a divergence) comes back as ``Outcome.error`` and is counted.
+    """
+    try:
+        return _run_task(task)
+    except Exception as e:
+        return Outcome(task.index, task.seed, task.options, error=f"{type(e).__name__}: {e}")
+
+
+def _run_task(task: Task) -> Outcome:
     t0 = time.perf_counter()
     trace = random_trace(task.seed, **task.options)
     HITS.clear()
@@ -134,10 +145,7 @@ def _worker(conn) -> None:
         task = conn.recv()
         if task is None:
             return
-        try:
-            conn.send(run_task(task))
-        except Exception as e:  # a harness-side failure on one trace is reported, not fatal
-            conn.send(Outcome(task.index, task.seed, task.options, error=f"{type(e).__name__}: {e}"))
+        conn.send(run_task(task))
 
 
 class Pool:
@@ -215,8 +223,8 @@ def _ray_runner(address: str):
             except ray.exceptions.GetTimeoutError:
                 ray.cancel(ref, force=True)
                 out.append(Outcome(t.index, t.seed, t.options, signature=("hang", "engine", "-"), error=f"no result within {timeout:g} s"))
-            except ray.exceptions.RayError as e:
-                out.append(Outcome(t.index, t.seed, t.options, signature=("crash", "engine", "-"), error=str(e)))
+            except ray.exceptions.RayError as e:  # the task's worker died: run_task itself never raises
+                out.append(Outcome(t.index, t.seed, t.options, signature=("crash", "engine", "-"), error=str(e)[:2000]))
         return out
 
     return run
@@ -237,7 +245,8 @@ class CampaignState:
     seconds: float = 0.0
     covered: list[str] = field(default_factory=list)
     findings: dict[str, dict] = field(default_factory=dict)  # signature slug -> summary
-    errors: int = 0
+    errors: int = 0  # harness failures (not engine findings); each is a bug in batchspec
+    first_error: str | None = None
 
     def save(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")
@@ -326,6 +335,7 @@ def _merge(cfg: CampaignConfig, state: CampaignState, outcomes: list[Outcome]) -
         covered.update(o.rules)
         if o.error and o.signature is None:
             state.errors += 1
+            state.first_error = state.first_error or f"trace {o.index} (seed {o.seed}, options {o.options}): {o.error}"
         if o.signature is None:
             continue
         name = slug(o.signature)

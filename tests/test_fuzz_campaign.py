@@ -103,3 +103,13 @@ def test_hang_and_crash_are_findings_and_the_campaign_goes_on():
     kinds = [o.signature[0] if o.signature else None for o in outs]
     assert kinds == ["hang", "crash", None]
     assert outs[2].steps > 0  # the replacement worker carried on
+
+
+def test_every_steering_option_yields_a_valid_trace():
+    from fuzz.campaign import STEERING
+    from fuzz.generate import random_trace
+    from spec.config import resolve
+
+    for options in STEERING.values():
+        for seed in range(20):
+            resolve(random_trace(seed, **options).config)  # raises ConfigError on a bad combination
