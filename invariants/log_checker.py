@@ -43,6 +43,9 @@ LOG_CHECKS: dict[str, str] = {
     "PREEMPT.NO_ADMISSION_SAME_STEP": "log",
     "PREEMPT.VICTIM_RULE": "trace for priority",
     "LIVE.NO_IDLE_STALL": "trace",
+    "PREEMPT.NEVER_UNDER_FULL_RESERVATION": "log, kv_reservation=full",
+    "BATCH.STATIC_NO_JOIN": "log, batching=static",
+    "BATCH.PREFILL_ONLY": "log, batching=prefill-first",
     "LIVE.EVERY_REQUEST_ENDS": "trace",
 }
 
@@ -129,6 +132,7 @@ class LogChecker:
         waiting_at_start = [r for r in self.reqs.values() if r.state == "waiting"]
         running_at_start = self.running()
         self._check_preemptions(rec, running_at_start)
+        self._check_batching(rec, running_at_start)
         self._check_admissions(rec, waiting_at_start, running_at_start)
         self._check_scheduled(rec)
         for rid, why in rec.finished:
@@ -157,6 +161,18 @@ class LogChecker:
             r.state, r.computed = "waiting", 0
             if rid in scheduled:
                 self.flag("PREEMPT.NOT_SCHEDULED", rec.step, rid, "preempted and scheduled in the same step")
+
+    def _check_batching(self, rec: StepRecord, running: list[_Req]) -> None:
+        """The profile's batching and reservation styles, as the log shows them."""
+        admitted = rec.new + rec.resumed
+        if self.cfg.kv_reservation == "full" and rec.preempted:
+            self.flag("PREEMPT.NEVER_UNDER_FULL_RESERVATION", rec.step, rec.preempted[0], "preempted under full reservation")
+        if self.cfg.batching == "static" and admitted and running:
+            self.flag("BATCH.STATIC_NO_JOIN", rec.step, admitted[0], f"joined while {running[0].request_id} runs")
+        if self.cfg.batching == "prefill-first" and admitted:
+            others = [rid for rid, _ in rec.scheduled if rid not in admitted]
+            if others:
+                self.flag("BATCH.PREFILL_ONLY", rec.step, others[0], "ran in a step that admitted")
 
     def _victim(self, live: list[_Req]) -> _Req | None:
         if self.cfg.policy == "fcfs":

@@ -28,8 +28,9 @@ VOCAB = 64
 request_shapes = st.builds(
     TraceRequest,
     id=st.just("?"),
-    prompt_len=st.integers(1, 120),  # long ones exceed small pools: REJECT.NEVER_FITS / PROMPT_TOO_LONG
-    max_tokens=st.integers(1, 24),
+    # mostly short (they fit, grow and get preempted); sometimes too long: REJECT.*
+    prompt_len=st.one_of(st.integers(1, 16), st.integers(17, 120)),
+    max_tokens=st.integers(1, 16),
     prefix_group=st.sampled_from([None, "g"]),
     prefix_len=st.integers(0, 16),
     priority=st.integers(0, 3),
@@ -44,9 +45,15 @@ class SpecMachine(RuleBasedStateMachine):
 
     profile = "vllm-v1"
 
-    @initialize(config=configs())
-    def start(self, config):
-        config = {**config, "profile": self.profile}
+    @initialize(config=configs(), blocks=st.integers(4, 16))
+    def start(self, config, blocks):
+        # small pools: requests grow past them, so preemption and eviction happen often
+        config = {**config, "profile": self.profile, "num_blocks": blocks}
+        base = PROFILES[self.profile].config
+        config.update(batching=base.batching, kv_reservation=base.kv_reservation)
+        if not base.enable_chunked_prefill:
+            config.update(enable_chunked_prefill=False,
+                          max_num_batched_tokens=max(config["max_num_batched_tokens"], config["max_model_len"]))
         self.engine = SpecEngine(resolve(config), vocab_size=VOCAB, eos_token_id=2, check_invariants=True)
         self.ids: list[str] = []
         self.ended: dict[str, int] = {}

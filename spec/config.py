@@ -56,6 +56,14 @@ class SchedulerConfig:
     #: (rule BUDGET.LONG_PREFILL).
     long_prefill_token_threshold: int = 0
 
+    # --- batching --------------------------------------------------------
+    #: How a step is formed (rules BATCH.*): "continuous" — running requests first,
+    #: then admissions with the leftover budget (vLLM V1, Sarathi, Orca); "prefill-first"
+    #: — a step that can admit is a prefill-only batch, running requests decode only in
+    #: steps that admit nobody (vLLM V0, TGI); "static" — admit only into an empty engine,
+    #: nothing joins until the whole batch has finished (FasterTransformer-style).
+    batching: str = "continuous"
+
     # --- admission --------------------------------------------------------
     #: Queue order: "fcfs" or "priority" (rules QUEUE.*).
     policy: str = "fcfs"
@@ -65,6 +73,11 @@ class SchedulerConfig:
     #: Fraction of blocks kept free when admitting beside running requests
     #: (rule ADMIT.WATERMARK).  Blocks = int(watermark * num_blocks).
     watermark: float = 0.0
+    #: KV reserved at admission (rules ADMIT.RESERVE_*): "step" — blocks for the tokens
+    #: computed in this step, more as the request grows (vLLM); "full" — blocks for the
+    #: whole prompt + max_tokens at once, so a running request never needs more and
+    #: nothing is ever preempted (Orca, TGI, TensorRT-LLM GUARANTEED_NO_EVICT).
+    kv_reservation: str = "step"
     #: Reject at arrival a request that can never be served (rules REJECT.*),
     #: instead of letting it wait or preempt itself forever (DESIGN.md §2.4).
     reject_unservable: bool = True
@@ -105,6 +118,8 @@ class SchedulerConfig:
 
 
 KNOB_CHOICES: dict[str, tuple[str, ...]] = {
+    "batching": ("continuous", "prefill-first", "static"),
+    "kv_reservation": ("step", "full"),
     "policy": ("fcfs", "priority"),
     "preemption_mode": ("recompute",),
     "priority_self_preempt": ("stop", "continue"),
@@ -153,7 +168,52 @@ VLLM_V1 = Profile(
     },
 )
 
-PROFILES: dict[str, Profile] = {VLLM_V1.name: VLLM_V1}
+def _derived(name: str, version: str, reproduces: str, sources: tuple[str, ...], fixed: dict[str, str], **knobs) -> Profile:
+    return Profile(name, version, reproduces, dataclasses.replace(VLLM_V1.config, profile=name, **knobs), sources, fixed)
+
+
+NAIVE = _derived(
+    "naive", "1", "a server that runs one request at a time, prefill then decode to completion (head-of-line blocking)",
+    ("first principles: continuous batching with max_num_seqs = 1",),
+    {"batching": "a batch of one: nothing else runs until the request finishes"},
+    max_num_seqs=1, enable_prefix_caching=False,
+)
+STATIC = _derived(
+    "static", "1", "static batching: a batch is admitted together into an empty engine and nothing joins until all of it finished",
+    ("FasterTransformer-style request-level batching; Orca (OSDI'22) §2 describes it as the baseline",),
+    {"padding": "not modelled: a finished request's slot simply stays empty until the batch ends"},
+    batching="static", kv_reservation="full", enable_prefix_caching=False,
+)
+VLLM_V0 = _derived(
+    "vllm-v0", "0.6", "vLLM V0's default scheduler phase order: a step that can admit runs a prefill-only batch; "
+    "running requests decode only in steps that admit nobody; recompute preemption of the newest",
+    ("shared/reference/other-schedulers.md §1 (prefill-vs-decode ordering), vLLM V0 scheduler._schedule_default",),
+    {"block manager": "vLLM V1's block pool (block ids are not claimed to match V0's BlockSpaceManager)",
+     "watermark": "0.01 as V0's default",
+     "chunked prefill": "off (V0's default); a prompt must fit the token budget whole",
+     "swap preemption": "not modelled here (V0 preempts a single-sequence group by recompute)"},
+    batching="prefill-first", enable_chunked_prefill=False, max_num_batched_tokens=4096, watermark=0.01,
+    enable_prefix_caching=False,
+)
+ORCA = _derived(
+    "orca", "1", "Orca: iteration-level (continuous) batching, FCFS, max_tokens slots reserved per request, never preempts",
+    ("Orca (Yu et al., OSDI'22) Algorithm 1, via shared/reference/other-schedulers.md §2.5",),
+    {"selective batching": "prefill and decode tokens share one step, as continuous batching does",
+     "memory": "paged blocks stand in for Orca's contiguous max_tokens reservation (same capacity rule)"},
+    kv_reservation="full", enable_chunked_prefill=False, max_num_batched_tokens=4096, enable_prefix_caching=False,
+)
+TGI = _derived(
+    "tgi", "3", "TGI v3 router: new requests are prefilled as their own batch before the running batch decodes again; "
+    "input + max_new_tokens allocated up front, so nothing is preempted",
+    ("huggingface/text-generation-inference backends/v3 queue.rs, backend.rs, via shared/reference/other-schedulers.md §2.4",),
+    {"prefix caching": "off (TGI's radix allocator is not the V1 hash-chain pool)",
+     "max_waiting_tokens": "not modelled: a prefill batch is formed whenever the head fits",
+     "block 0": "reserved, as the null block"},
+    batching="prefill-first", kv_reservation="full", enable_chunked_prefill=False, max_num_batched_tokens=4096,
+    enable_prefix_caching=False,
+)
+
+PROFILES: dict[str, Profile] = {p.name: p for p in (VLLM_V1, NAIVE, STATIC, VLLM_V0, ORCA, TGI)}
 
 
 def knob_names() -> list[str]:

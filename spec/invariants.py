@@ -248,7 +248,33 @@ def _preempted_not_scheduled(eng: "SpecEngine", out: "SchedulerOutput", starved:
             yield f"{rid} preempted and scheduled in the same step"
 
 
+@invariant("PREEMPT.NEVER_UNDER_FULL_RESERVATION", bugs=("TRT-03",), profiles="kv_reservation=full (static, orca, tgi)")
+def _no_preempt_full(eng: "SpecEngine", out: "SchedulerOutput", starved: bool) -> Iterator[str]:
+    """With KV reserved to completion at admission, no request is ever preempted."""
+    if eng.config.kv_reservation == "full" and out.preempted:
+        yield f"preempted {out.preempted} although every request reserved its whole sequence"
+
+
+@invariant("BATCH.STATIC_NO_JOIN", profiles="batching=static (static)")
+def _static_no_join(eng: "SpecEngine", out: "SchedulerOutput", starved: bool) -> Iterator[str]:
+    """Under static batching, requests are admitted only in a step that began with nothing running."""
+    if eng.config.batching == "static" and (out.new or out.resumed) and not starved:
+        yield f"{out.new + out.resumed} joined a running static batch"
+
+
+@invariant("BATCH.PREFILL_ONLY", profiles="batching=prefill-first (vllm-v0, tgi)")
+def _prefill_only(eng: "SpecEngine", out: "SchedulerOutput", starved: bool) -> Iterator[str]:
+    """Under prefill-first batching, a step that admits runs only the admitted requests."""
+    if eng.config.batching == "prefill-first" and (out.new or out.resumed):
+        others = [s.request_id for s in out.scheduled if s.request_id not in out.new + out.resumed]
+        if others:
+            yield f"{others} ran in a prefill batch"
+
+
 SCHEDULE_CHECKS = (
+    "PREEMPT.NEVER_UNDER_FULL_RESERVATION",
+    "BATCH.STATIC_NO_JOIN",
+    "BATCH.PREFILL_ONLY",
     "BUDGET.TOKENS_LE_BUDGET",
     "SAMPLE.AFTER_PREFILL",
     "CACHE.HIT_NOT_WHOLE",

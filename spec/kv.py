@@ -269,22 +269,25 @@ class KVCacheManager:
         num_hit_tokens: int = 0,
         full_sequence_must_fit: bool = False,
         watermark_blocks: int = 0,
+        reserve_tokens: int = 0,
     ) -> list[KVBlock] | AllocFailure:
         """Give ``req`` blocks for ``num_new_tokens`` more tokens, or fail with no effect.
 
         Hit blocks that are evictable (ref count 0) sit in the free queue, so
         taking them consumes free blocks too (``evictable_hits`` below).
+        ``reserve_tokens`` allocates at least that many slots now (reservation
+        to completion, rule ADMIT.RESERVE_FULL).
         """
         bs, max_len = self.block_size, self.cfg.max_model_len
         held = len(self.blocks_of(req.request_id)) + len(hit_blocks)
-        evictable_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+        evictable_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0) if hit_blocks else 0
         free = self.pool.num_free_blocks
         if full_sequence_must_fit:
             need_full = max(cdiv(min(req.num_tokens, max_len), bs) - held, 0) + evictable_hits
             if need_full + watermark_blocks > free:
                 return self._failure(ADMIT_FULL_SEQUENCE, need_full, watermark_blocks, free, "its whole sequence")
         total = min(req.num_computed_tokens + num_hit_tokens, max_len)
-        slots = min(total + num_new_tokens, max_len)
+        slots = max(min(total + num_new_tokens, max_len), reserve_tokens)
         need = max(cdiv(slots, bs) - held, 0) + evictable_hits
         if need + watermark_blocks > free:
             return self._failure(ALLOC_NO_BLOCKS, need, watermark_blocks, free, f"{slots} slots")
@@ -293,7 +296,7 @@ class KVCacheManager:
             self.pool.touch(list(hit_blocks))
             table.extend(hit_blocks)
             self.num_cached_block[req.request_id] = len(hit_blocks)
-        new = self.pool.get_new_blocks(need - evictable_hits)
+        new = self.pool.get_new_blocks(need - evictable_hits) if need > evictable_hits else []
         table.extend(new)
         self.cache_blocks(req, min(total + num_new_tokens, req.num_tokens))
         return new
@@ -310,6 +313,8 @@ class KVCacheManager:
             return
         start = self.num_cached_block.get(req.request_id, 0)
         end = min(num_tokens // self.block_size, len(req.block_hashes))
+        if end <= start:
+            return  # no block became full (most decode steps)
         table = self.req_blocks[req.request_id]
         for i in range(start, end):
             self.pool.cache_full_block(table[i], req.block_hashes[i])

@@ -33,6 +33,7 @@ from spec.formats import (
     FINISH_MAX_MODEL_LEN,
     FINISH_MAX_TOKENS,
     FINISH_STOP_TOKEN,
+    LEVELS,
     StepRecord,
     Trace,
     TraceRequest,
@@ -87,6 +88,15 @@ class Request:
         p = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids ``start .. end-1`` of prompt + outputs (slices, no per-token calls)."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
     def append_output_token(self, token: int) -> None:
         self.output_token_ids.append(token)
         self._extend_block_hashes()
@@ -97,7 +107,7 @@ class Request:
         while (len(self.block_hashes) + 1) * bs <= self.num_tokens:
             i = len(self.block_hashes)
             parent = self.block_hashes[-1] if i else None
-            self.block_hashes.append(hash_block(parent, (self.token_at(j) for j in range(i * bs, (i + 1) * bs))))
+            self.block_hashes.append(hash_block(parent, self.tokens(i * bs, (i + 1) * bs)))
 
 
 @dataclass
@@ -232,6 +242,39 @@ def check_stop(req: Request, token: int, cfg: SchedulerConfig) -> str | None:
     return length_capped(req, cfg)
 
 
+@rule("ADMIT.RESERVE_FULL", knobs=("kv_reservation",), applies=bool)
+def reservation(req: Request, cfg: SchedulerConfig) -> int:
+    """Under kv_reservation="full", admission allocates blocks for the request's whole
+    life at once: ``min(prompt + max_tokens - 1, max_model_len - 1)`` slots.
+
+    A running request then never needs another block, so nothing is ever preempted
+    (Orca, TGI, TensorRT-LLM GUARANTEED_NO_EVICT) — at the price of memory held for
+    tokens that may never be generated.  Returns 0 under "step" (vLLM's per-step
+    allocation, where ADMIT.FULL_SEQUENCE is the admission gate instead).
+    """
+    if cfg.kv_reservation != "full":
+        return 0
+    return min(len(req.prompt_token_ids) + req.max_tokens - 1, cfg.max_model_len - 1)
+
+
+@rule("BATCH.PREFILL_FIRST", knobs=("batching",))
+def prefill_batch_first(running: list[Request], out: SchedulerOutput) -> None:
+    """Under batching="prefill-first", a step that admits anybody is a prefill-only
+    batch: the running requests skip it and decode again only in a step that admits
+    nobody (vLLM V0, TGI).  New requests start sooner; running ones stall meanwhile."""
+    for req in running:
+        if req.request_id not in out.new and req.request_id not in out.resumed:
+            out.reasons.append(reason("BATCH.PREFILL_FIRST", req.request_id, "waits: this step is a prefill batch"))
+
+
+@rule("BATCH.STATIC", knobs=("batching",))
+def static_batch_busy(waiting, out: SchedulerOutput) -> None:
+    """Under batching="static", requests are admitted only into an empty engine; while
+    any of the batch is still running nobody joins, even when memory and budget are free."""
+    if len(waiting):
+        out.reasons.append(reason("BATCH.STATIC", waiting.peek().request_id, "waits: the current static batch is still running"))
+
+
 BUDGET_EXHAUSTED = declare(
     "BUDGET.EXHAUSTED",
     """A step schedules nothing more once its token budget is spent: the running
@@ -323,6 +366,14 @@ class SpecEngine:
     ``check_invariants=True`` checks every predicate of :mod:`spec.invariants`
     after each step.  ``trace_queue=True`` adds a WAIT.QUEUED reason for every
     request left waiting (for ``batchspec explain``).
+
+    For long simulations (:mod:`spec.simulate`), three options make steps
+    cheaper without changing any decision: ``record_level`` ("exact", "memory"
+    or "decisions") leaves out the record fields above that level (per-step
+    block tables); ``record_reasons=False`` writes no reasons (``record.reasons``
+    is None, and the per-step RUN.* / BUDGET.EXHAUSTED reasons are not even
+    built); ``prompt_cache`` (a dict the caller keeps across engines) re-uses
+    each synthesized prompt and its block hashes instead of rebuilding them.
     """
 
     name = "spec"
@@ -334,12 +385,20 @@ class SpecEngine:
         eos_token_id: int = DEFAULT_EOS_TOKEN_ID,
         check_invariants: bool = False,
         trace_queue: bool = False,
+        record_level: str = "exact",
+        record_reasons: bool = True,
+        prompt_cache: dict | None = None,
     ):
+        if record_level not in LEVELS:
+            raise ValueError(f"record_level must be one of {', '.join(LEVELS)}, got {record_level!r}")
         self.config = config
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.check_invariants = check_invariants
         self.trace_queue = trace_queue
+        self.record_level = record_level
+        self.record_reasons = record_reasons
+        self.prompt_cache = prompt_cache
         self.kv = KVCacheManager(config)
         self.waiting = make_queue(config.policy)
         self.running: list[Request] = []
@@ -374,9 +433,10 @@ class SpecEngine:
             self._rejected.append((tr.id, why[1]))
             self._reasons.append(reason(why[0], tr.id, why[2]))
             return
+        prompt, hashes = self._prompt(tr)
         req = Request(
             request_id=tr.id,
-            prompt_token_ids=tr.prompt_token_ids(self.vocab_size),
+            prompt_token_ids=prompt,
             max_tokens=tr.max_tokens,
             arrival_seq=len(self.requests) + len(self.rejected),
             priority=tr.priority,
@@ -384,10 +444,24 @@ class SpecEngine:
             stop_token_ids=frozenset(tr.stop_token_ids),
             source=tr,
             block_size=cfg.block_size,
+            block_hashes=list(hashes),
         )
         self.requests[tr.id] = req
         self.waiting.add(req)
         self._reasons.append(reason(ARRIVE, tr.id, f"queued ({cfg.policy}), {len(self.waiting)} waiting"))
+
+    def _prompt(self, tr: TraceRequest) -> tuple[list[int], list[bytes]]:
+        """The prompt's token ids and the hashes of its full blocks (none yet without a cache:
+        ``Request`` hashes them).  With ``prompt_cache``, both are computed once per
+        request content and shared (never mutated) by every engine that uses the cache."""
+        if self.prompt_cache is None:
+            return tr.prompt_token_ids(self.vocab_size), []
+        key = (tr.id, tr.prompt, tr.prompt_len, tr.prefix_group, tr.prefix_len, self.vocab_size, self.config.block_size)
+        if key not in self.prompt_cache:
+            prompt = tr.prompt_token_ids(self.vocab_size)
+            probe = Request(tr.id, prompt, 1, 0, 0, None, frozenset(), tr, self.config.block_size)
+            self.prompt_cache[key] = (prompt, probe.block_hashes)
+        return self.prompt_cache[key]
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)
@@ -429,13 +503,27 @@ class SpecEngine:
         starved = not self.running and len(self.waiting) > 0
         start = {r.request_id: r.num_computed_tokens for r in self.running}
         scheduled: dict[str, int] = {}
+        if cfg.batching == "prefill-first":
+            budget = self._schedule_waiting(out, scheduled, start, budget, cap)
+            if out.new or out.resumed:
+                prefill_batch_first(self.running, out)
+                return self._finish_schedule(out, scheduled, start, starved)
         budget = self._schedule_running(out, scheduled, budget, cap)
-        if out.preempted and not cfg.admit_after_preempt:
+        if cfg.batching == "prefill-first":
+            pass  # admissions were tried first and found nothing
+        elif cfg.batching == "static" and not starved:
+            static_batch_busy(self.waiting, out)
+        elif out.preempted and not cfg.admit_after_preempt:
             if len(self.waiting):
                 head = self.waiting.peek().request_id
                 out.reasons.append(reason(ADMIT_AFTER_PREEMPT, head, f"{len(out.preempted)} preempted; no admissions"))
         else:
             budget = self._schedule_waiting(out, scheduled, start, budget, cap)
+        return self._finish_schedule(out, scheduled, start, starved)
+
+    def _finish_schedule(self, out: SchedulerOutput, scheduled: dict[str, int], start: dict[str, int],
+                         starved: bool) -> SchedulerOutput:
+        """Advance computed tokens (before execution, as vLLM does) and build the batch."""
         for rid, n in scheduled.items():
             req = self.requests[rid]
             req.num_computed_tokens += n
@@ -484,10 +572,11 @@ class SpecEngine:
                 break
             scheduled[req.request_id] = n
             budget -= n
-            kind = RUN_DECODE if req.num_computed_tokens + n >= req.num_tokens and n == 1 else RUN_PREFILL
-            out.reasons.append(reason(kind, req.request_id, f"{n} tokens ({budget} left)"))
+            if self.record_reasons:
+                kind = RUN_DECODE if req.num_computed_tokens + n >= req.num_tokens and n == 1 else RUN_PREFILL
+                out.reasons.append(reason(kind, req.request_id, f"{n} tokens ({budget} left)"))
             i += 1
-        if budget == 0:
+        if budget == 0 and self.record_reasons:
             for req in self.running[i:]:
                 if req.request_id not in scheduled:
                     out.reasons.append(reason(BUDGET_EXHAUSTED, req.request_id, "not reached: token budget spent"))
@@ -514,7 +603,9 @@ class SpecEngine:
                 break
             n = chunk_size(remaining, cap, budget)
             watermark = cfg.watermark_blocks if self.running else 0
-            alloc = self.kv.allocate_slots(req, n, hit_blocks, hit, cfg.scheduler_reserve_full_isl, watermark)
+            reserve = reservation(req, cfg)
+            alloc = self.kv.allocate_slots(req, n, hit_blocks, hit, cfg.scheduler_reserve_full_isl and not reserve,
+                                           watermark, reserve)
             if isinstance(alloc, AllocFailure):
                 out.reasons.append(reason(alloc.rule, rid, alloc.text))
                 break
@@ -587,8 +678,10 @@ class SpecEngine:
         req.finish_reason = why
 
     def _record(self, out: SchedulerOutput, finished: list[tuple[str, str]], sampled: dict[str, int]) -> StepRecord:
-        tables = {r.request_id: self.kv.blocks_of(r.request_id) for r in self.running}
         evicted = self.kv.pool.take_evicted()
+        if self.record_level != "exact":
+            return self._light_record(out, finished, sampled, len(evicted))
+        tables = {r.request_id: self.kv.blocks_of(r.request_id) for r in self.running}
         return StepRecord(
             step=-1,
             scheduled=[(s.request_id, s.num_tokens) for s in out.scheduled],
@@ -607,6 +700,29 @@ class SpecEngine:
             evicted=evicted,
             reasons=self._reasons + out.reasons,
         )
+
+    def _light_record(self, out: SchedulerOutput, finished: list[tuple[str, str]], sampled: dict[str, int],
+                      num_evicted: int) -> StepRecord:
+        """The record without the fields above ``record_level`` (and without reasons if not recorded)."""
+        record = StepRecord(
+            step=-1,
+            scheduled=[(s.request_id, s.num_tokens) for s in out.scheduled],
+            new=out.new,
+            resumed=out.resumed,
+            preempted=out.preempted,
+            finished=finished,
+            aborted=self._aborted,
+            rejected=self._rejected,
+            sampled=sampled,
+            reasons=self._reasons + out.reasons if self.record_reasons else None,
+        )
+        if self.record_level == "memory":
+            record.num_free_blocks = self.kv.pool.num_free_blocks
+            held = ((r.request_id, len(self.kv.blocks_of(r.request_id))) for r in self.running)
+            record.blocks = {rid: k for rid, k in held if k}
+            record.cache_hits = out.cache_hits
+            record.num_evicted = num_evicted
+        return record
 
 
 def run(trace: Trace, check_invariants: bool = False, trace_queue: bool = False, on_step=None) -> list[StepRecord]:
