@@ -93,6 +93,8 @@ def cmd_check_log(args) -> int:
 
     log = load_log(args.log)
     trace_path = args.trace or log.trace
+    if not args.trace and trace_path and not Path(trace_path).exists():
+        trace_path = str(Path(args.log).parent / trace_path)  # header paths are relative to the log
     trace = load_trace(trace_path) if trace_path else None
     raw = dict(trace.config if trace else (log.config or {}))
     if args.profile:

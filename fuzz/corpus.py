@@ -2,9 +2,9 @@
 
 A finding is saved as three files named after its signature:
 
-* ``NAME.jsonl``      the shrunk trace (its header ``description`` says what it shows);
-* ``NAME.log.jsonl``  the engine's decision log on it (what the engine did);
-* ``NAME.md``         the triage report: the divergence, the spec's rule and reason,
+* ``NAME.jsonl``             the shrunk trace (its header ``description`` says what it shows);
+* ``ENGINE/NAME.log.jsonl``  the engine's decision log on it (what the engine did);
+* ``NAME.md``                the triage report: the divergence, the spec's rule and reason,
                       the step table around it on both sides, the invariants the
                       engine's log breaks, and the command that replays it.
 
@@ -144,12 +144,17 @@ def save_finding(corpus: str | os.PathLike, result: ReplayResult, sig: Signature
             return None
     finally:
         os.unlink(tmp)
-    write_log(DecisionLog(result.engine, result.level, result.engine_records, trace=trace_path.name,
-                          config=trace.config), corpus / f"{name}.log.jsonl")
+    write_log(DecisionLog(result.engine, result.level, result.engine_records, trace=f"../{trace_path.name}",
+                          config=trace.config), log_path(corpus, result.engine, name))
     _atomic_text(corpus / f"{name}.md", triage_report(dataclasses.replace(result, trace=trace), sig, name, provenance))
     return trace_path
 
 
+def log_path(corpus: str | os.PathLike, engine: str, name: str) -> Path:
+    """Where a corpus keeps ``engine``'s decision log for trace ``name`` (one folder per engine)."""
+    return Path(corpus) / engine / f"{name}.log.jsonl"
+
+
 def corpus_traces(corpus: str | os.PathLike) -> list[Path]:
-    """The trace files of a corpus directory (logs excluded), sorted."""
-    return sorted(p for p in Path(corpus).glob("*.jsonl") if not p.name.endswith(".log.jsonl"))
+    """The trace files of a corpus directory, sorted."""
+    return sorted(Path(corpus).glob("*.jsonl"))

@@ -72,7 +72,7 @@ def test_planted_bug_is_found_shrunk_and_saved(tmp_path):
     assert finding["requests"] is not None and finding["requests"] <= 6
     traces = corpus_traces(tmp_path)
     assert [p.stem for p in traces] == list(state.findings)
-    assert (tmp_path / f"{name}.md").exists() and (tmp_path / f"{name}.log.jsonl").exists()
+    assert (tmp_path / f"{name}.md").exists() and (tmp_path / "wrong-victim" / f"{name}.log.jsonl").exists()
 
 
 def test_shards_split_one_campaign(tmp_path):

@@ -1,5 +1,5 @@
 """Shrinking and the findings corpus, on a planted bug in a copy of the spec."""
-from fuzz.corpus import corpus_traces, save_finding, slug
+from fuzz.corpus import corpus_traces, log_path, save_finding, slug
 from fuzz.generate import random_trace
 from fuzz.replay import replay, replay_records
 from fuzz.shrink import shrink, signature
@@ -58,6 +58,6 @@ def test_corpus_saves_once_per_signature_and_replays(tmp_path):
     assert result.divergence.field in report and "batchspec replay" in report
     # the saved engine log still diverges from the spec; the spec itself agrees with the spec
     saved = load_trace(path)
-    log = load_log(tmp_path / f"{slug(sig)}.log.jsonl")
+    log = load_log(log_path(tmp_path, result.engine, slug(sig)))
     assert not replay_records(saved, log.records).agreed
     assert replay(saved, "spec").agreed
