@@ -97,7 +97,7 @@ def test_hang_and_crash_are_findings_and_the_campaign_goes_on():
     pool = Pool(1)
     try:
         outs = pool.run([Task(0, 11, {}, "sleepy", "exact", 0), Task(1, 12, {}, "dies", "exact", 0),
-                         Task(2, 13, {}, "spec", "exact", 0)], timeout=3)
+                         Task(2, 13, {}, "spec", "exact", 0)], timeout=10)
     finally:
         pool.close()
     kinds = [o.signature[0] if o.signature else None for o in outs]
