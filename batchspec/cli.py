@@ -232,6 +232,22 @@ def cmd_fuzz(args) -> int:
     return 1 if state.findings or state.errors else 0
 
 
+def cmd_replay(args) -> int:
+    import fuzz.engines  # noqa: F401  (registers gpu, gpu-model, reference)
+    from fuzz.replay import replay_command
+
+    return replay_command(args.trace, args.engine, args.level, log_path=args.log, spec_log_path=args.spec_log,
+                          json_out=args.json, engine_log=args.engine_log)
+
+
+def cmd_conform(args) -> int:
+    import fuzz.engines  # noqa: F401
+    from fuzz.conform import conform_command
+
+    return conform_command(args.engine, args.traces, args.seed, args.level, args.workers, args.json, args.markdown,
+                           args.save_divergent, progress=not args.no_progress)
+
+
 def cmd_profiles(args) -> int:
     from rich.table import Table
 
@@ -279,6 +295,28 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--trace", help="the trace the log replays (default: the path in the log header)")
     cl.add_argument("--max-rows", type=int, default=50)
     cl.set_defaults(fn=cmd_check_log)
+
+    rp = sub.add_parser("replay", help="replay a trace through the spec and an engine; exit 0 agree, 1 diverge, 2 bad input")
+    rp.add_argument("trace")
+    rp.add_argument("--engine", default="gpu", help="gpu (default), gpu-model, reference, vllm, spec")
+    rp.add_argument("--level", choices=("decisions", "memory", "exact"), default="exact")
+    rp.add_argument("--engine-log", help="compare this decision log (written by any engine) instead of running one")
+    rp.add_argument("--log", help="write the engine's decision log here")
+    rp.add_argument("--spec-log", help="write the spec's decision log (with reasons) here")
+    rp.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    rp.set_defaults(fn=cmd_replay)
+
+    cf = sub.add_parser("conform", help="conformance run: many random traces, agreement by feature area")
+    cf.add_argument("--engine", default="vllm")
+    cf.add_argument("--traces", type=int, default=2000)
+    cf.add_argument("--seed", type=int, default=0)
+    cf.add_argument("--level", choices=("decisions", "memory", "exact"), default="exact")
+    cf.add_argument("--workers", type=int, default=None)
+    cf.add_argument("--json", help="write the report as JSON here")
+    cf.add_argument("--markdown", action="store_true", help="print the summary as a Markdown table")
+    cf.add_argument("--save-divergent", metavar="DIR", help="save each divergent trace here")
+    cf.add_argument("--no-progress", action="store_true")
+    cf.set_defaults(fn=cmd_conform)
 
     fz = sub.add_parser("fuzz", help="differential fuzz campaign: random traces through the spec and an engine")
     fz.add_argument("--engine", default="gpu", help="engine under test (gpu, gpu-model, reference, vllm, spec)")

@@ -58,6 +58,7 @@ STEERING: dict[str, dict[str, Any]] = {
     "ABORT.": {"aborts": True},
 }
 
+MAX_STEPS = 3000  # random traces finish in a few hundred steps
 ROUND = 16  # traces per round: the unit of steering, checkpointing and determinism
 
 
@@ -98,21 +99,25 @@ class Outcome:
     error: str | None = None
 
 
-def run_task(task: Task) -> Outcome:
+SHRINK_SECONDS = 120.0  # cap on shrinking one finding (the replay budget is the deterministic bound)
+
+
+def run_task(task: Task, on_detect: Callable[[], None] | None = None) -> Outcome:
     """Generate, replay, and shrink on divergence (runs in a worker).
 
     A failure of the harness itself (not of the engine, which :func:`replay`
     reports as a divergence) comes back as ``Outcome.error`` and is counted.
     """
     try:
-        return _run_task(task)
+        return _run_task(task, on_detect)
     except Exception as e:
         return Outcome(task.index, task.seed, task.options, error=f"{type(e).__name__}: {e}")
 
 
-def _run_task(task: Task) -> Outcome:
+def _run_task(task: Task, on_detect: Callable[[], None] | None) -> Outcome:
     t0 = time.perf_counter()
-    trace = random_trace(task.seed, **task.options)
+    # a bounded step limit: a non-terminating engine is a finding, and must not cost 100k steps per replay
+    trace = random_trace(task.seed, **{"max_steps": MAX_STEPS, **task.options})
     HITS.clear()
     result = replay(trace, task.engine, task.level)
     rules = sorted(HITS)
@@ -120,12 +125,16 @@ def _run_task(task: Task) -> Outcome:
     if not result.agreed:
         sig = signature(result.divergence)
         out.signature = sig
+        if on_detect:
+            on_detect()  # shrinking may take longer than one trace's timeout
+        # candidates diverge early or not at all: cap their steps near the original divergence
+        limit = MAX_STEPS if sig[0] == "non-termination" else min(MAX_STEPS, 2 * result.divergence.step + 200)
 
         def same(t: Trace) -> bool:
-            r = replay(t, task.engine, task.level)
+            r = replay(dataclasses.replace(t, config={**t.config, "max_steps": limit}), task.engine, task.level)
             return not r.agreed and signature(r.divergence) == sig
 
-        small, out.shrink_tries = shrink(trace, same, seconds=120, max_tries=task.shrink_tries)
+        small, out.shrink_tries = shrink(trace, same, seconds=SHRINK_SECONDS, max_tries=task.shrink_tries)
         out.shrunk = replay(small, task.engine, task.level)
     out.seconds = time.perf_counter() - t0
     return out
@@ -145,7 +154,7 @@ def _worker(conn) -> None:
         task = conn.recv()
         if task is None:
             return
-        conn.send(run_task(task))
+        conn.send(run_task(task, on_detect=lambda: conn.send("shrinking")))
 
 
 class Pool:
@@ -162,14 +171,14 @@ class Pool:
         proc = self.ctx.Process(target=_worker, args=(child,), daemon=True)
         proc.start()
         child.close()  # else the pipe never reports EOF when the worker dies
-        return [proc, parent, None, 0.0]  # process, pipe, task, started
+        return [proc, parent, None, 0.0]  # process, pipe, task, deadline
 
     def run(self, tasks: list[Task], timeout: float) -> list[Outcome]:
         pending, results = list(tasks), {}
         while pending or any(w[2] for w in self.workers):
             for w in self.workers:
                 if w[2] is None and pending:
-                    w[2], w[3] = pending.pop(0), time.monotonic()
+                    w[2], w[3] = pending.pop(0), time.monotonic() + timeout
                     w[1].send(w[2])
             self._collect(results, timeout)
         return [results[t.index] for t in tasks]
@@ -179,14 +188,18 @@ class Pool:
         for conn in mp.connection.wait(conns, timeout=0.05):
             w = next(w for w in self.workers if w[1] is conn)
             try:
-                results[w[2].index] = conn.recv()
+                message = conn.recv()
             except EOFError:
                 self._lost(w, results, "crash", "the worker process died")
                 continue
+            if message == "shrinking":  # the trace diverged within its timeout; shrinking has its own cap
+                w[3] = time.monotonic() + timeout + SHRINK_SECONDS
+                continue
+            results[w[2].index] = message
             w[2] = None
         now = time.monotonic()
         for w in self.workers:
-            if w[2] is not None and now - w[3] > timeout:
+            if w[2] is not None and now > w[3]:
                 self._lost(w, results, "hang", f"no result within {timeout:g} s")
 
     def _lost(self, w, results: dict[int, Outcome], kind: str, why: str) -> None:
@@ -274,6 +287,7 @@ class CampaignConfig:
     shrink_tries: int = 400
     resume: bool = False
     ray: str | None = None
+    stop_on_finding: bool = False  # end after the round that found the first finding
 
 
 def state_path(cfg: CampaignConfig) -> Path:
@@ -309,6 +323,8 @@ def run_campaign(cfg: CampaignConfig, on_round: Callable[[CampaignState, list[Ou
 
 
 def _spent(cfg: CampaignConfig, state: CampaignState, start: float) -> bool:
+    if cfg.stop_on_finding and state.findings:
+        return True
     if cfg.traces is not None and state.traces >= cfg.traces:
         return True
     return cfg.seconds is not None and time.monotonic() - start >= cfg.seconds

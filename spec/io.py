@@ -171,6 +171,7 @@ def atomic_write_lines(path: str | os.PathLike, objects: Iterable[dict]) -> None
         with os.fdopen(fd, "w") as f:
             for obj in objects:
                 f.write(json.dumps(obj, separators=(",", ":")) + "\n")
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; these are ordinary data files
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

@@ -1,0 +1,211 @@
+"""Compare two decision logs and report the first decision on which they differ.
+
+Records are aligned by ``record.step``.  A step that has a record on one side
+only counts as an idle step on the other (the driver skips idle steps and
+writes no record for them).  At each step the fields of
+:func:`spec.formats.fields_at` are compared in a fixed order — the order in
+which a reader would ask (who ran, who was admitted, preempted, finished,
+then memory) — and the first difference wins.  ``sampled`` is compared by its
+keys only: which requests sampled is a scheduling decision, the token values
+are the engine's output, which the spec adopts in a differential run.
+
+The report (:class:`Divergence`) carries both values and the spec's own reason
+for its value: the rule id and text from the spec record's ``reasons``, for
+the request the two sides disagree about when there is one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from spec.formats import LEVEL_FIELDS, LEVELS, StepRecord, fields_at
+
+#: Kinds of divergence.
+DECISION = "decision"  # a field of one step record differs
+NON_TERMINATION = "non-termination"  # one side did not finish within max_steps
+ERROR = "error"  # one side raised while running the trace
+
+_MEMORY_FIELDS = set(LEVEL_FIELDS["memory"]) | set(LEVEL_FIELDS["exact"])
+_EMPTY = {"blocks": {}, "cache_hits": {}, "block_ids": {}, "evicted": [], "num_evicted": 0}
+
+
+class LevelError(ValueError):
+    """A log does not carry the fields the comparison level needs."""
+
+
+@dataclass
+class Divergence:
+    """The first step and field on which the spec and an engine disagree."""
+
+    step: int
+    field: str
+    spec_value: Any
+    engine_value: Any
+    request: str | None = None  # the request the two values disagree about, if one
+    rule: str | None = None  # the spec's rule id for its value
+    reason: str | None = None  # the spec's reason text
+    kind: str = DECISION
+    engine: str = "engine"
+    context: list[dict] = field(default_factory=list)  # the spec's other reasons at that step
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind, "step": self.step, "field": self.field, "request": self.request,
+            "spec": _plain(self.spec_value), self.engine: _plain(self.engine_value),
+            "rule": self.rule, "reason": self.reason,
+        }
+
+    def describe(self) -> str:
+        """A readable, multi-line explanation of the divergence."""
+        who = f" about request {self.request}" if self.request else ""
+        if self.kind == NON_TERMINATION:
+            head = f"non-termination at step {self.step}{who}: {self.field}"
+        elif self.kind == ERROR:
+            head = f"error at step {self.step}: {self.field}"
+        else:
+            head = f"first divergence at step {self.step}, field `{self.field}`{who}"
+        lines = [
+            head,
+            f"  spec:   {_show(self.spec_value)}",
+            f"  {self.engine + ':':7} {_show(self.engine_value)}",
+        ]
+        if self.rule:
+            lines.append(f"  spec's rule: {self.rule}" + (f" — {self.reason}" if self.reason else ""))
+        elif self.kind == DECISION:
+            lines.append("  spec's rule: (no reason recorded for this request at this step)")
+        others = [r for r in self.context if r.get("rule") != self.rule or r.get("text") != self.reason]
+        if others:
+            lines.append("  spec's other decisions at this step:")
+            for r in others[:8]:
+                lines.append(f"    {r.get('rule')}" + (f" [{r['request']}]" if r.get("request") else "") + f": {r.get('text')}")
+            if len(others) > 8:
+                lines.append(f"    … {len(others) - 8} more")
+        return "\n".join(lines)
+
+
+def _plain(value: Any) -> Any:
+    """JSON-friendly: tuples become lists."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _show(value: Any) -> str:
+    text = repr(_plain(value))
+    return text if len(text) <= 400 else text[:400] + " …"
+
+
+def _value(record: StepRecord, name: str, synthesized: bool) -> Any:
+    """The comparable value of one field; ``None`` means "not known" (skip)."""
+    if name == "sampled":
+        return sorted(record.sampled)
+    value = getattr(record, name)
+    if name in _MEMORY_FIELDS:
+        if synthesized:
+            return None  # an idle step the driver skipped: its memory state was not written
+        if value is None:
+            return _EMPTY.get(name)
+    return _plain(value)
+
+
+def _check_level(records: list[StepRecord], level: str, side: str) -> None:
+    need = LEVELS.index(level)
+    for rec in records:
+        if LEVELS.index(rec.level()) < need:
+            raise LevelError(f"{side} log record at step {rec.step} carries the {rec.level()!r} level; "
+                             f"comparing at {level!r} needs {', '.join(fields_at(level))}")
+
+
+def _involved(name: str, spec_value: Any, engine_value: Any) -> str | None:
+    """The request the two values first disagree about."""
+    if isinstance(spec_value, dict) or isinstance(engine_value, dict):
+        a, b = spec_value or {}, engine_value or {}
+        for key in list(a) + [k for k in b if k not in a]:
+            if a.get(key) != b.get(key):
+                return key
+        return None
+    if isinstance(spec_value, list) and isinstance(engine_value, list) and name != "evicted":
+        for x, y in zip(spec_value, engine_value):
+            if x != y:
+                return _rid(x)
+        longer = spec_value if len(spec_value) > len(engine_value) else engine_value
+        if len(spec_value) != len(engine_value):
+            return _rid(longer[min(len(spec_value), len(engine_value))])
+    return None
+
+
+def _rid(item: Any) -> str | None:
+    if isinstance(item, str):
+        return item
+    if isinstance(item, (list, tuple)) and item and isinstance(item[0], str):
+        return item[0]
+    return None
+
+
+#: Rule-id families that explain each field, best first.
+_FAMILIES = {
+    "scheduled": ("RUN.", "ADMIT.", "BUDGET.", "PREEMPT.", "KV.", "CACHE."),
+    "new": ("ADMIT.", "KV.", "BUDGET.", "CACHE."),
+    "resumed": ("ADMIT.", "KV.", "BUDGET.", "CACHE."),
+    "preempted": ("PREEMPT.", "RUN.", "KV."),
+    "finished": ("STOP.",),
+    "aborted": ("ABORT.",),
+    "rejected": ("REJECT.", "ARRIVE."),
+    "sampled": ("SAMPLE.", "RUN.", "ADMIT.", "STOP."),
+    "cache_hits": ("CACHE.", "ADMIT."),
+}
+
+
+def spec_reason(record: StepRecord | None, request: str | None, field_name: str = "") -> tuple[str | None, str | None, list[dict]]:
+    """The spec's rule id and text for ``request`` at this step, plus all the
+    step's reasons as context.
+
+    Of the reasons about ``request``, the first whose rule family explains
+    ``field_name`` wins (a request admitted and then finished in one step has
+    an ``ADMIT.*`` and a ``STOP.*`` reason); otherwise the last one.
+    """
+    reasons = list((record.reasons if record else None) or [])
+    mine = [r for r in reasons if request is not None and r.get("request") == request]
+    pick = None
+    for family in _FAMILIES.get(field_name, ()):
+        pick = next((r for r in mine if str(r.get("rule", "")).startswith(family)), None)
+        if pick is not None:
+            break
+    if pick is None and mine:
+        pick = mine[-1]
+    if pick is None:
+        return None, None, reasons
+    return pick.get("rule"), pick.get("text"), reasons
+
+
+def first_divergence(spec_records: Iterable[StepRecord], engine_records: Iterable[StepRecord],
+                     level: str = "exact", engine: str = "engine") -> Divergence | None:
+    """The first step and field where the logs differ at ``level``, or ``None``.
+
+    Raises :class:`LevelError` if a log record lacks the fields ``level`` compares.
+    """
+    if level not in LEVELS:
+        raise ValueError(f"unknown level {level!r} (known: {', '.join(LEVELS)})")
+    spec_records, engine_records = list(spec_records), list(engine_records)
+    _check_level(spec_records, level, "spec")
+    _check_level(engine_records, level, engine)
+    by_spec = {r.step: r for r in spec_records}
+    by_engine = {r.step: r for r in engine_records}
+    names = fields_at(level)
+    for step in sorted(set(by_spec) | set(by_engine)):
+        s, e = by_spec.get(step), by_engine.get(step)
+        s_rec, e_rec = s or StepRecord(step), e or StepRecord(step)
+        for name in names:
+            a, b = _value(s_rec, name, s is None), _value(e_rec, name, e is None)
+            if a is None or b is None or a == b:
+                continue
+            if name == "sampled":  # report the token map, compared by its keys
+                a, b = dict(s_rec.sampled), dict(e_rec.sampled)
+                request = next(iter(sorted(set(a) ^ set(b))), None)
+            else:
+                request = _involved(name, a, b)
+            rule, text, context = spec_reason(s, request, name)
+            return Divergence(step, name, a, b, request, rule, text, DECISION, engine, context)
+    return None

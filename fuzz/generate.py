@@ -1,0 +1,337 @@
+"""Seeded random traces for differential fuzzing (DESIGN.md §3, issue #3).
+
+``random_trace(seed)`` builds a small trace — 2 to 12 requests, prompts of 1 to
+80 tokens — whose configuration is drawn so that the interesting scheduler
+paths are taken often: a token budget small enough to chunk prefills, a KV
+pool tight enough to preempt, shared prompt prefixes for the prefix cache,
+both queue policies, priorities, aborts, stop tokens, EOS, ``max_model_len``
+caps and, now and then, a request that must be rejected at arrival.
+
+Every draw comes from one ``random.Random(seed)``: the same seed gives the
+same trace in every process and on every machine (no global random state, no
+hash randomization, no clock).
+
+The configurations also respect what vLLM's own config validation insists on
+(``SchedulerConfig.verify_max_model_len`` in vLLM 0.32), so that every trace
+is one vLLM accepts:
+
+* chunked prefill off ⇒ ``max_num_batched_tokens >= max_model_len``;
+* ``max_num_batched_tokens >= max_num_seqs``;
+* ``long_prefill_token_threshold <= max_model_len``.
+
+:func:`trace_features` tags a trace (and, given its decision log, what the run
+actually exercised) with the feature areas of :data:`FEATURES`, for the
+conformance summary table.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import fields, replace
+from typing import Any, Iterable
+
+from spec.config import SchedulerConfig, resolve
+from spec.formats import DEFAULT_EOS_TOKEN_ID, DEFAULT_VOCAB_SIZE, FIRST_SYNTHETIC_TOKEN, StepRecord, Trace, TraceRequest
+
+#: Feature areas of the conformance table, with what puts a trace in each.
+FEATURES: dict[str, str] = {
+    "chunked_prefill": "a prompt longer than the token budget or the long-prefill cap (split over steps)",
+    "no_chunking": "enable_chunked_prefill off",
+    "long_prefill_cap": "long_prefill_token_threshold > 0",
+    "max_num_seqs": "max_num_seqs smaller than the number of requests",
+    "tight_memory": "fewer usable KV blocks than all requests together need at their peak",
+    "preemption": "the run preempted at least one request (recompute)",
+    "prefix_caching": "enable_prefix_caching on",
+    "prefix_hits": "the run admitted a request with a prefix-cache hit",
+    "eviction": "the run evicted a cached block",
+    "fcfs": "policy fcfs",
+    "priority": "policy priority",
+    "aborts": "a request with abort_at",
+    "stop_tokens": "a request that can stop on a stop token id",
+    "eos": "a request whose output contains the EOS token",
+    "ignore_eos": "a request with ignore_eos whose output contains EOS",
+    "max_model_len": "a request that hits max_model_len",
+    "rejections": "a request rejected at arrival (prompt_too_long / never_fits)",
+    "watermark": "watermark > 0",
+    "reserve_first_chunk": "scheduler_reserve_full_isl off",
+    "stress": "an extreme corner: a 4-12 token vocabulary (accidental prefix hits and stop tokens), block size 1-5, "
+              "a 1-3 token budget, 13-32 requests, max_model_len 2-12, or a watermark of 0.3-0.7",
+}
+
+BLOCK_SIZES = (4, 8, 16)
+MAX_PROMPT = 80
+_KNOBS = {f.name for f in fields(SchedulerConfig)} - {"profile"}
+#: Generator switches accepted by :func:`random_trace` besides the knobs.
+SWITCHES = ("n_requests", "aborts", "stop_tokens", "eos", "prefix_groups", "rejections", "tight_memory", "clones", "stress")
+#: Extreme corners a ``stress`` trace takes one to three of.
+STRESS = ("vocab", "block", "budget", "many", "short", "watermark")
+
+
+def _peak_slots(prompt_len: int, max_tokens: int, max_model_len: int) -> int:
+    """KV slots a request needs at its longest (the last sampled token is never computed)."""
+    return min(prompt_len + max_tokens - 1, max_model_len - 1)
+
+
+def _blocks(slots: int, block_size: int) -> int:
+    return -(-slots // block_size)
+
+
+def _draw_config(rng: random.Random, n: int) -> dict[str, Any]:
+    """The header's knobs, before memory is sized to the drawn requests."""
+    cfg: dict[str, Any] = {"profile": "vllm-v1"}
+    cfg["block_size"] = rng.choice(BLOCK_SIZES)
+    cfg["enable_prefix_caching"] = rng.random() < 0.6
+    cfg["policy"] = "priority" if rng.random() < 0.4 else "fcfs"
+    cfg["enable_chunked_prefill"] = rng.random() < 0.85
+    tight_len = rng.random() < 0.25
+    cfg["max_model_len"] = rng.randint(24, 96) if tight_len else rng.choice((128, 256, 4096))
+    if cfg["enable_chunked_prefill"]:
+        cfg["max_num_batched_tokens"] = rng.choice((4, 8, 12, 16, 24, 32, 48, 64, 128, 2048))
+    else:  # vLLM: without chunking the budget must hold a whole max_model_len sequence
+        cfg["max_num_batched_tokens"] = cfg["max_model_len"] + rng.choice((0, 0, 16, 200))
+    if rng.random() < 0.3:
+        cfg["max_num_seqs"] = rng.randint(1, max(1, n - 1))
+    else:
+        cfg["max_num_seqs"] = rng.choice((16, 128))
+    cfg["max_num_seqs"] = min(cfg["max_num_seqs"], cfg["max_num_batched_tokens"])
+    if rng.random() < 0.3:
+        cfg["long_prefill_token_threshold"] = min(rng.randint(1, 40), cfg["max_model_len"])
+    if rng.random() < 0.15:
+        cfg["watermark"] = rng.choice((0.01, 0.05, 0.1, 0.2))
+    if rng.random() < 0.15:
+        cfg["scheduler_reserve_full_isl"] = False
+    cfg["max_steps"] = 20_000
+    return cfg
+
+
+def _stress_config(rng: random.Random, cfg: dict[str, Any], stress: set[str]) -> None:
+    """Push the drawn knobs to the extreme corners named in ``stress`` (keeping vLLM's constraints)."""
+    if "block" in stress:
+        cfg["block_size"] = rng.choice((1, 2, 3, 5))
+    if "short" in stress:
+        cfg["max_model_len"] = rng.randint(2, 12)
+        if "long_prefill_token_threshold" in cfg:
+            cfg["long_prefill_token_threshold"] = min(cfg["long_prefill_token_threshold"], cfg["max_model_len"])
+    if "budget" in stress and cfg["enable_chunked_prefill"]:
+        cfg["max_num_batched_tokens"] = rng.randint(1, 3)
+        cfg["max_num_seqs"] = min(cfg["max_num_seqs"], cfg["max_num_batched_tokens"])
+    if "watermark" in stress:
+        cfg["watermark"] = rng.choice((0.3, 0.5, 0.7))
+
+
+def _respect_vllm_limits(cfg: dict[str, Any], fixed: set[str]) -> None:
+    """Re-establish vLLM's config constraints after knobs were fixed by the caller,
+    adjusting only the knobs the caller left to the generator."""
+    if not cfg.get("enable_chunked_prefill", True) and cfg["max_num_batched_tokens"] < cfg["max_model_len"]:
+        if "max_num_batched_tokens" not in fixed:
+            cfg["max_num_batched_tokens"] = cfg["max_model_len"]
+        elif "max_model_len" not in fixed:
+            cfg["max_model_len"] = cfg["max_num_batched_tokens"]
+    if cfg.get("max_num_seqs", 128) > cfg["max_num_batched_tokens"]:
+        if "max_num_seqs" not in fixed:
+            cfg["max_num_seqs"] = cfg["max_num_batched_tokens"]
+        elif "max_num_batched_tokens" not in fixed:
+            cfg["max_num_batched_tokens"] = cfg["max_num_seqs"]
+    if cfg.get("long_prefill_token_threshold", 0) > cfg["max_model_len"] and "long_prefill_token_threshold" not in fixed:
+        cfg["long_prefill_token_threshold"] = cfg["max_model_len"]
+
+
+def _draw_prompts(rng: random.Random, n: int, want_groups: bool) -> list[dict[str, Any]]:
+    """Prompt lengths and shared-prefix groups for ``n`` requests."""
+    groups: list[tuple[str, int]] = []
+    if want_groups:
+        for g in range(rng.randint(1, 3)):
+            groups.append((f"g{g}", rng.randint(1, 64)))
+    out = []
+    for _ in range(n):
+        p: dict[str, Any] = {"prompt_len": rng.randint(1, MAX_PROMPT)}
+        if groups and rng.random() < 0.6:
+            name, plen = rng.choice(groups)
+            p["prefix_group"] = name
+            roll = rng.random()
+            if roll < 0.2:  # the whole prompt is the shared prefix: a full-prompt hit candidate
+                p["prompt_len"] = plen
+            elif roll < 0.7:
+                p["prompt_len"] = min(MAX_PROMPT, plen + rng.randint(0, 24))
+            p["prefix_len"] = min(plen, p["prompt_len"])
+        out.append(p)
+    return out
+
+
+def _draw_outputs(rng: random.Random, rid: str, max_tokens: int, eos: int, stops: tuple[int, ...],
+                  want_eos: bool, vocab: int) -> tuple[int, ...]:
+    """Output tokens that end the request early: EOS or a stop token at a random index."""
+    choices = []
+    if want_eos:
+        choices.append(eos)
+    if stops:
+        choices.extend(stops)
+    if not choices or max_tokens < 1 or rng.random() < 0.5 or vocab - FIRST_SYNTHETIC_TOKEN <= len(stops):
+        return ()
+    at = rng.randint(0, max(0, max_tokens - 1))
+    head = []
+    for _ in range(at):  # filler that is neither EOS nor one of this request's stop ids
+        t = rng.randrange(FIRST_SYNTHETIC_TOKEN, vocab)
+        while t in stops:
+            t = rng.randrange(FIRST_SYNTHETIC_TOKEN, vocab)
+        head.append(t)
+    return tuple(head) + (rng.choice(choices),)
+
+
+def _clone(rng: random.Random, requests: list[TraceRequest], vocab: int) -> None:
+    """Make a later request repeat an earlier one's prompt *and* output tokens, so that
+    after a preemption one can hit blocks the other filled with generated tokens."""
+    if len(requests) < 2:
+        return
+    i = rng.randrange(1, len(requests))
+    j = rng.randrange(0, i)
+    base = requests[j]
+    outs = list(base.output_tokens)
+    while len(outs) < max(base.max_tokens, requests[i].max_tokens):
+        outs.append(rng.randrange(FIRST_SYNTHETIC_TOKEN, vocab))
+    requests[j] = replace(base, output_tokens=tuple(outs[: base.max_tokens]))
+    prompt = tuple(base.prompt_token_ids(vocab))
+    requests[i] = replace(requests[i], prompt=prompt, prompt_len=len(prompt), prefix_group=None, prefix_len=0,
+                          output_tokens=tuple(outs[: requests[i].max_tokens]))
+
+
+def _size_memory(rng: random.Random, cfg: dict[str, Any], peaks: list[int], tight: bool, reject: bool) -> int:
+    """``num_blocks`` (null block included): tight enough to preempt when ``tight``,
+    too small for the largest request when ``reject``."""
+    bs = cfg["block_size"]
+    need = [_blocks(p, bs) for p in peaks]
+    largest, total = max(need), sum(need)
+    if reject and largest > 1:
+        usable = rng.randint(max(1, largest // 2), largest - 1)
+    elif tight:
+        usable = rng.randint(largest, max(largest, min(total, largest + largest // 3 + 1)))
+    else:
+        usable = total + rng.randint(0, 8)
+    return usable + 1
+
+
+def random_trace(seed: int, **options: Any) -> Trace:
+    """A deterministic random trace for ``seed``.
+
+    ``options`` may fix any knob of :class:`spec.config.SchedulerConfig`
+    (``policy="priority"``, ``enable_prefix_caching=True`` …) or one of the
+    generator switches :data:`SWITCHES`: ``n_requests`` (int), and
+    ``aborts``, ``stop_tokens``, ``eos``, ``prefix_groups``, ``rejections``,
+    ``tight_memory``, ``clones``, ``stress`` (bool: force the feature on or off).
+    A ``stress`` trace also takes one to three of the extreme corners :data:`STRESS`.
+    """
+    unknown = set(options) - _KNOBS - set(SWITCHES)
+    if unknown:
+        raise TypeError(f"unknown option(s) {sorted(unknown)}; knobs or switches {SWITCHES}")
+    rng = random.Random(seed)
+    vocab, eos = DEFAULT_VOCAB_SIZE, DEFAULT_EOS_TOKEN_ID
+    n = options.get("n_requests") or rng.randint(2, 12)
+
+    def switch(name: str, p: float) -> bool:
+        drawn = rng.random() < p  # always draw, so forcing one switch keeps the rest of the trace
+        return bool(options[name]) if name in options else drawn
+
+    want_aborts = switch("aborts", 0.3)
+    want_stops = switch("stop_tokens", 0.3)
+    want_eos = switch("eos", 0.3)
+    want_groups = switch("prefix_groups", 0.5)
+    want_reject = switch("rejections", 0.08)
+    tight = switch("tight_memory", 0.7)
+    want_clones = switch("clones", 0.15)
+    stress = set(rng.sample(STRESS, rng.randint(1, 3))) if switch("stress", 0.12) else set()
+    if "many" in stress and not options.get("n_requests"):
+        n = rng.randint(13, 32)
+    if "vocab" in stress:
+        vocab = rng.randint(4, 12)
+
+    cfg = _draw_config(rng, n)
+    _stress_config(rng, cfg, stress)
+    cfg.update({k: v for k, v in options.items() if k in _KNOBS})
+    _respect_vllm_limits(cfg, fixed=set(options))
+    prompts = _draw_prompts(rng, n, want_groups)
+    for p in prompts:  # a tight max_model_len: most prompts still fit, rejections are drawn below
+        if p["prompt_len"] >= cfg["max_model_len"]:
+            p["prompt_len"] = rng.randint(1, cfg["max_model_len"] - 1)
+            p["prefix_len"] = min(p.get("prefix_len", 0), p["prompt_len"])
+    n_stops = 1 if vocab - FIRST_SYNTHETIC_TOKEN < 4 else rng.randint(1, 2)  # a tiny vocabulary keeps a non-stop token
+    stops = tuple(sorted({rng.randrange(FIRST_SYNTHETIC_TOKEN, vocab) for _ in range(n_stops)})) if want_stops else ()
+
+    requests: list[TraceRequest] = []
+    step = 0
+    for i, p in enumerate(prompts):
+        rid = f"r{i}"
+        step += rng.choice((0, 0, 0, 1, 1, 2, 3, 6))
+        long_out = rng.randint(8, 40) if tight else rng.randint(1, 40)
+        max_tokens = rng.choice((1, 2, rng.randint(1, 12), long_out, long_out))
+        if want_reject and rng.random() < 0.15:  # prompt_too_long: no room for one output token
+            p = {"prompt_len": cfg["max_model_len"] + rng.randint(0, 4)} if cfg["max_model_len"] <= MAX_PROMPT + 4 else p
+        my_stops = stops if stops and rng.random() < 0.7 else ()
+        ignore_eos = rng.random() < 0.1
+        out = _draw_outputs(rng, rid, max_tokens, eos, my_stops, want_eos, vocab)
+        abort_at = step + rng.randint(0, 25) if want_aborts and rng.random() < 0.3 else None
+        priority = rng.randint(0, 3) if rng.random() < 0.7 else 0
+        requests.append(TraceRequest(
+            id=rid, arrival_step=step, max_tokens=max_tokens, priority=priority,
+            ignore_eos=ignore_eos, stop_token_ids=my_stops, abort_at=abort_at, output_tokens=out, **p,
+        ))
+    if want_clones:
+        _clone(rng, requests, vocab)
+    if "num_blocks" not in options:
+        peaks = [_peak_slots(r.prompt_len, r.max_tokens, cfg["max_model_len"]) for r in requests
+                 if r.prompt_len < cfg["max_model_len"]] or [1]
+        cfg["num_blocks"] = _size_memory(rng, cfg, peaks, tight, want_reject)
+    return Trace(config=cfg, requests=requests, vocab_size=vocab, eos_token_id=eos,
+                 name=f"random-{seed}", description=f"fuzz.generate.random_trace({seed})")
+
+
+def trace_features(trace: Trace, records: Iterable[StepRecord] | None = None) -> set[str]:
+    """The feature areas of :data:`FEATURES` that ``trace`` exercises.
+
+    Static areas come from the trace; ``preemption``, ``prefix_hits``,
+    ``eviction``, ``rejections`` and ``max_model_len`` are confirmed from the
+    decision log ``records`` when given (what the run actually did).
+    """
+    cfg = resolve(trace.config).to_json()
+    bs, budget, mml = cfg["block_size"], cfg["max_num_batched_tokens"], cfg["max_model_len"]
+    tags = {"priority" if cfg["policy"] == "priority" else "fcfs"}
+    cap = cfg["long_prefill_token_threshold"]
+    if cap:
+        tags.add("long_prefill_cap")
+    if not cfg["enable_chunked_prefill"]:
+        tags.add("no_chunking")
+    if any(r.prompt_len > budget or (cap and r.prompt_len > cap) for r in trace.requests) and cfg["enable_chunked_prefill"]:
+        tags.add("chunked_prefill")
+    if cfg["max_num_seqs"] < len(trace.requests):
+        tags.add("max_num_seqs")
+    peaks = sum(_blocks(_peak_slots(r.prompt_len, r.max_tokens, mml), bs) for r in trace.requests if r.prompt_len < mml)
+    if peaks > cfg["num_blocks"] - 1:
+        tags.add("tight_memory")
+    if cfg["enable_prefix_caching"]:
+        tags.add("prefix_caching")
+    if cfg["watermark"] > 0:
+        tags.add("watermark")
+    if not cfg["scheduler_reserve_full_isl"]:
+        tags.add("reserve_first_chunk")
+    if (trace.vocab_size < 100 or bs not in BLOCK_SIZES or budget <= 3 or len(trace.requests) > 12
+            or mml <= 12 or cfg["watermark"] >= 0.3):
+        tags.add("stress")
+    for r in trace.requests:
+        if r.abort_at is not None:
+            tags.add("aborts")
+        if r.stop_token_ids and set(r.stop_token_ids) & set(r.output_tokens):
+            tags.add("stop_tokens")
+        if trace.eos_token_id in r.output_tokens:
+            tags.add("ignore_eos" if r.ignore_eos else "eos")
+    if records is None:
+        return tags
+    for rec in records:
+        if rec.preempted:
+            tags.add("preemption")
+        if rec.rejected:
+            tags.add("rejections")
+        if any(h > 0 for h in (rec.cache_hits or {}).values()):
+            tags.add("prefix_hits")
+        if rec.num_evicted:
+            tags.add("eviction")
+        if any(why == "max_model_len" for _, why in rec.finished):
+            tags.add("max_model_len")
+    return tags

