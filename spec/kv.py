@@ -312,10 +312,11 @@ class KVCacheManager:
         if not self.pool.caching:
             return
         start = self.num_cached_block.get(req.request_id, 0)
-        end = min(num_tokens // self.block_size, len(req.block_hashes))
+        table = self.req_blocks[req.request_id]
+        # a prompt past max_model_len has full blocks of tokens that no block holds
+        end = min(num_tokens // self.block_size, len(req.block_hashes), len(table))
         if end <= start:
             return  # no block became full (most decode steps)
-        table = self.req_blocks[req.request_id]
         for i in range(start, end):
             self.pool.cache_full_block(table[i], req.block_hashes[i])
         self.num_cached_block[req.request_id] = max(start, end)

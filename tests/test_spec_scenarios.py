@@ -320,3 +320,12 @@ def test_stop_conditions():
         "len": (1, "max_model_len"),  # 10 + 2 = 12 tokens
         "eos_first": (1, "eos"),  # EOS is checked before max_tokens
     }
+
+
+def test_without_rejection_an_over_long_prompt_does_not_crash_the_cache():
+    # prompt 20 > max_model_len 16 (vLLM's front end refuses it).  With the rule off the waiting
+    # phase schedules the whole prompt, blocks cover only 16 slots, and full blocks past them
+    # are not registered; the first sample reaches max_model_len.
+    cfg = {"max_model_len": 16, "reject_unservable": False, "enable_prefix_caching": True}
+    recs = steps(cfg, R("A", 20, 3))
+    assert recs[0].scheduled == [("A", 20)] and recs[0].finished == [("A", "max_model_len")]

@@ -1,0 +1,217 @@
+"""Paged KV memory bookkeeping in tensors: free-block queue, ref counts, block hashes.
+
+Block ids and queue order follow vLLM V1 (block 0 is the null block; the free
+queue starts as ``1..N-1``; freed unhashed blocks go to the head, freed cached
+blocks to the tail; a prefix hit removes an evictable block from wherever it
+is; popping a cached block evicts it).  The prefix-cache map itself
+(hash -> blocks) is a host dict, as the issue allows: lookups walk a request's
+hash chain, which is inherently sequential.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+from gpu_engine import xp
+from gpu_engine.formulas import free_order
+from gpu_engine.xp import Array, Backend
+
+_MASK63 = (1 << 63) - 1
+NONE_HASH = int.from_bytes(hashlib.sha256(b"batchspec-gpu-engine-none-hash").digest()[:8], "little") & _MASK63
+
+
+def hash_block(parent: int | None, tokens: bytes) -> int:
+    """``h_i = sha256(h_{i-1} || tokens_i)`` truncated to 63 bits (a tensor-friendly int64).
+
+    A chain over full blocks: equal hashes mean equal prefixes, up to a 2⁻⁶³
+    collision chance per pair.  ``tokens`` are the block's int64 ids as bytes.
+    """
+    h = hashlib.sha256((NONE_HASH if parent is None else parent).to_bytes(8, "little"))
+    h.update(tokens)
+    return int.from_bytes(h.digest()[:8], "little") & _MASK63
+
+
+def token_bytes(tokens) -> bytes:
+    return array("q", tokens).tobytes()
+
+
+class FreeQueue:
+    """vLLM's doubly linked free list as an array deque with tombstones.
+
+    ``buf[head:tail]`` holds the queue; an entry is a block id, or -1 where a
+    block was removed from the middle (a prefix hit: ``remove``).  ``pos[b]`` is
+    block ``b``'s index in ``buf`` (-1 when not queued).  ``popleft``, ``prepend``
+    and ``append`` are slices; removal writes tombstones, which ``popleft``
+    skips with one prefix count.  ``buf`` is 3N+2 long and is re-centred
+    (compacted) when an end is reached, so every operation is a bounded number
+    of array ops.
+    """
+
+    def __init__(self, be: Backend, num_blocks: int, first: int):
+        self.be, self.n = be, num_blocks
+        self.buf_t = be.tensor((3 * num_blocks + 2,), -1)
+        self.pos_t = be.tensor((num_blocks,), -1)
+        self.buf, self.pos = be.view(self.buf_t), be.view(self.pos_t)
+        self.head = num_blocks
+        self.tail = self.head
+        self.num_tombstones = 0
+        self.append(be.arange(num_blocks - first, first))
+
+    def __len__(self) -> int:
+        return self.tail - self.head - self.num_tombstones
+
+    def ids(self) -> list[int]:
+        live = self.buf[self.head:self.tail]
+        return xp.to_list(live[live >= 0])
+
+    def popleft(self, k: int) -> Array:
+        """The first ``k`` blocks, removed from the queue (caller checks ``k <= len``)."""
+        if k <= 0:
+            return self.be.empty_int()
+        if self.num_tombstones == 0:
+            out = xp.copy(self.buf[self.head:self.head + k])
+            self.head += k
+        else:
+            window = self.buf[self.head:min(self.tail, self.head + k + self.num_tombstones)]
+            live = window >= 0
+            end = int(xp.searchsorted(live.cumsum(0), self.be.asarray([k]))[0]) + 1  # k-th live entry
+            out = window[:end][live[:end]]
+            self.num_tombstones -= end - k
+            self.head += end
+        self.pos[out] = -1
+        return out
+
+    def prepend(self, blocks: Array) -> None:
+        """Insert at the head keeping order: ``blocks[0]`` becomes the head."""
+        m = len(blocks)
+        if m == 0:
+            return
+        if self.head < m:
+            self._compact()
+        self.buf[self.head - m:self.head] = blocks
+        self.pos[blocks] = self.be.arange(m, self.head - m)
+        self.head -= m
+
+    def append(self, blocks: Array) -> None:
+        m = len(blocks)
+        if m == 0:
+            return
+        if self.tail + m > len(self.buf):
+            self._compact()
+        self.buf[self.tail:self.tail + m] = blocks
+        self.pos[blocks] = self.be.arange(m, self.tail)
+        self.tail += m
+
+    def remove(self, blocks: Array) -> None:
+        """Take queued blocks out from wherever they are (O(1) each, like the linked list)."""
+        if len(blocks) == 0:
+            return
+        self.buf[self.pos[blocks]] = -1
+        self.pos[blocks] = -1
+        self.num_tombstones += len(blocks)
+        if self.num_tombstones > self.n:
+            self._compact()
+
+    def _compact(self) -> None:
+        live = self.buf[self.head:self.tail]
+        live = xp.copy(live[live >= 0])
+        m = len(live)
+        self.buf[:] = -1
+        self.head = (len(self.buf) - m) // 2
+        self.tail = self.head + m
+        self.buf[self.head:self.tail] = live
+        self.pos[live] = self.be.arange(m, self.head)
+        self.num_tombstones = 0
+
+
+class BlockPool:
+    """Ref counts, block hashes, the free queue and the prefix-cache map."""
+
+    def __init__(self, be: Backend, num_blocks: int, null_block: bool, caching: bool):
+        self.be, self.caching = be, caching
+        self.num_blocks = num_blocks
+        self.ref_cnt_t = be.tensor((num_blocks,), 0)
+        self.block_hash_t = be.tensor((num_blocks,), -1)  # -1: not a cached block
+        self.ref_cnt, self.block_hash = be.view(self.ref_cnt_t), be.view(self.block_hash_t)
+        self._last_t = be.tensor((num_blocks,), -1)  # scratch for ``free``
+        self._last = be.view(self._last_t)
+        self.queue = FreeQueue(be, num_blocks, 1 if null_block else 0)
+        self.cached: dict[int, dict[int, None]] = {}  # hash -> block ids, insertion ordered
+        self.evicted: list[int] = []  # this step's evictions, in pop order
+
+    @property
+    def num_free(self) -> int:
+        return len(self.queue)
+
+    def num_free_uncached(self) -> int:
+        """Free blocks without a hash.  They always precede the cached ones in the
+        queue (unhashed blocks only ever enter at the head, cached ones at the tail)."""
+        queued_cached = (self.block_hash >= 0) & (self.queue.pos >= 0)
+        return self.num_free - int(queued_cached.sum())
+
+    # -- prefix cache (host map) --
+    def lookup(self, hashes: list[int], max_blocks: int) -> list[int]:
+        """Longest run of cached blocks for the leading hashes (earliest-cached block per hash)."""
+        out = []
+        cached = self.cached
+        for h in hashes[:max_blocks]:
+            same = cached.get(h)
+            if not same:
+                break
+            out.append(next(iter(same)))
+        return out
+
+    def register(self, blocks: list[int], hashes: list[int]) -> None:
+        """Cache full blocks at allocation (no de-duplication: a hash may map to several)."""
+        self.block_hash[self.be.asarray(blocks)] = self.be.asarray(hashes)
+        cached = self.cached
+        for b, h in zip(blocks, hashes):
+            same = cached.get(h)
+            if same is None:
+                cached[h] = {b: None}
+            else:
+                same[b] = None
+
+    # -- queue operations --
+    def pop(self, k: int) -> Array:
+        """``get_new_blocks``: pop ``k`` from the head; cached ones are evicted on the way."""
+        out = self.queue.popleft(k)
+        if len(out) == 0:
+            return out
+        self.ref_cnt[out] = 1
+        if self.caching:
+            hashed = self.block_hash[out] >= 0
+            if bool(hashed.any()):
+                ev = out[hashed]
+                for b, h in zip(xp.to_list(ev), xp.to_list(self.block_hash[ev])):
+                    same = self.cached[h]
+                    del same[b]
+                    if not same:
+                        del self.cached[h]
+                    self.evicted.append(b)
+                self.block_hash[ev] = -1
+        return out
+
+    def touch(self, blocks: Array) -> None:
+        """Prefix hit: evictable blocks leave the queue; every hit block gains a reference."""
+        if len(blocks) == 0:
+            return
+        self.queue.remove(blocks[self.ref_cnt[blocks] == 0])
+        xp.add_at(self.ref_cnt, blocks, 1)
+
+    def free(self, seq: Array, groups: Array) -> None:
+        """Free a batch of block tables: ``seq`` is the requests' blocks in freeing order
+        (each request tail first), ``groups`` the request index of each entry.
+        Blocks reaching ref 0 re-enter the queue by :func:`free_order`."""
+        if len(seq) == 0:
+            return
+        xp.add_at(self.ref_cnt, seq, -1)
+        idx = self.be.arange(len(seq))
+        self._last[seq] = -1
+        xp.scatter_max(self._last, seq, idx)
+        last = self._last[seq] == idx
+        zero = self.ref_cnt[seq] == 0
+        hashed = self.block_hash[seq] >= 0  # never set when caching is off
+        head, tail = free_order(groups, last, zero, hashed)
+        self.queue.prepend(seq[head])
+        self.queue.append(seq[tail])

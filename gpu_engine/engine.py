@@ -1,0 +1,170 @@
+"""``GpuEngine``: the engine protocol (DESIGN.md §5) over the tensor scheduler.
+
+Two modes:
+
+* **scheduler-only** (``model=None``): no forward pass; each sampling request's
+  token is the trace's synthetic rule ``request.output_token(index, vocab)``.
+  This is what differential fuzzing runs.
+* **model** (``model=`` a :class:`~gpu_engine.model.PagedLlama`, a
+  :class:`~gpu_engine.model.LlamaConfig` (seeded weights), a local folder, or
+  ``"tiny"``): one flattened batch per step through the paged decoder, greedy
+  (argmax of the last position's logits).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from spec.config import SchedulerConfig, resolve
+from spec.formats import DEFAULT_EOS_TOKEN_ID, DEFAULT_VOCAB_SIZE, LEVELS, StepRecord, Trace, TraceRequest
+
+from gpu_engine import xp
+from gpu_engine.model import AttentionMetadata, LlamaConfig, PagedLlama
+from gpu_engine.scheduler import Batch, Scheduler
+
+
+def make_model(model, device="cpu", dtype: torch.dtype = torch.float32, seed: int = 0,
+               vocab_size: int | None = None) -> PagedLlama:
+    """``"tiny"`` / a ``LlamaConfig`` (seeded weights) / a folder / a ``PagedLlama``."""
+    if isinstance(model, PagedLlama):
+        return model
+    if model == "tiny":
+        model = LlamaConfig(vocab_size=max(LlamaConfig.vocab_size, vocab_size or 0))
+    if isinstance(model, LlamaConfig):
+        return PagedLlama.from_seed(model, seed, device=device, dtype=dtype)
+    if isinstance(model, (str, Path)):
+        return PagedLlama.from_pretrained(model, device=device, dtype=dtype)
+    raise TypeError(f"model must be None, 'tiny', a LlamaConfig, a folder or a PagedLlama, got {model!r}")
+
+
+class GpuEngine:
+    """The optimized engine: tensor-resident vLLM V1 scheduling, paged KV, batched forward.
+
+    ``level`` ("decisions", "memory" or "exact") chooses which record fields are
+    filled (the cheaper levels skip building block tables for the log).
+    ``use_numpy=False`` runs the scheduler's array code as torch ops even on CPU
+    (the CUDA code path, testable without a GPU); the default uses numpy views
+    on CPU and torch on CUDA.
+    """
+
+    name = "gpu_engine"
+
+    def __init__(self, config: SchedulerConfig, vocab_size: int = DEFAULT_VOCAB_SIZE,
+                 eos_token_id: int = DEFAULT_EOS_TOKEN_ID, device="cpu", model=None,
+                 level: str = "exact", dtype: torch.dtype = torch.float32, seed: int = 0,
+                 use_numpy: bool | None = None):
+        if level not in LEVELS:
+            raise ValueError(f"level must be one of {', '.join(LEVELS)}, got {level!r}")
+        if config.batching != "continuous" or config.kv_reservation != "step":
+            raise ValueError(f"gpu_engine implements batching='continuous' with kv_reservation='step' only; "
+                             f"got batching={config.batching!r}, kv_reservation={config.kv_reservation!r}")
+        self.config, self.vocab_size, self.eos_token_id, self.level = config, vocab_size, eos_token_id, level
+        self.device = torch.device(device)
+        self.sched = Scheduler(config, self.device, use_numpy=use_numpy, host_tables=level == "exact")
+        self.model = None if model is None else make_model(model, self.device, dtype, seed, vocab_size)
+        if self.model is not None:
+            mc = self.model.config
+            if mc.vocab_size < vocab_size:
+                raise ValueError(f"trace vocab_size {vocab_size} exceeds the model's {mc.vocab_size}")
+            if config.max_model_len > mc.max_position_embeddings:
+                raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                                 f"max_position_embeddings {mc.max_position_embeddings}")
+            self.model.allocate_kv_cache(config.num_blocks, config.block_size)
+        self._aborted: list[str] = []
+        self._rejected: list[tuple[str, str]] = []
+        self.num_steps = 0
+
+    @classmethod
+    def from_trace(cls, trace: Trace, **kw) -> "GpuEngine":
+        return cls(resolve(trace.config), trace.vocab_size, trace.eos_token_id, **kw)
+
+    # -- protocol ------------------------------------------------------------
+
+    def add_request(self, request: TraceRequest) -> None:
+        s = self.sched
+        if request.id in s.seen:
+            raise ValueError(f"duplicate request id {request.id!r}")
+        s.seen.add(request.id)
+        why = s.rejection(request)
+        if why is not None:
+            s.num_arrivals += 1  # a rejected request still takes an arrival number
+            self._rejected.append((request.id, why))
+            return
+        s.add(request, request.prompt_token_ids(self.vocab_size))
+
+    def abort_request(self, request_id: str) -> None:
+        if self.sched.abort(request_id):
+            self._aborted.append(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.sched.has_unfinished()
+
+    def step(self) -> StepRecord:
+        s = self.sched
+        batch = s.schedule()
+        ids = s.ids[s.be.host(batch.slots)]  # read before finished slots are released
+        names = ids.tolist()
+        samplers = names if bool(batch.samples.all()) else ids[s.be.host(batch.samples)].tolist()
+        tokens = self._execute(batch) if self.model is not None else self._synthesize(batch)
+        finished = s.update(batch, tokens, self.eos_token_id)
+        self.num_steps += 1
+        return self._record(batch, names, samplers, tokens, finished)
+
+    # -- execution -------------------------------------------------------------
+
+    def _synthesize(self, batch: Batch):
+        """Scheduler-only mode: the trace's synthetic token for each sampling request."""
+        s = self.sched
+        smp = batch.slots[batch.samples]
+        idx = xp.to_list(s.num_output_tokens[smp])
+        toks = [s.sources[i].output_token(k, self.vocab_size) for i, k in zip(xp.to_list(smp), idx)]
+        return s.be.asarray(toks)
+
+    def _execute(self, batch: Batch):
+        """Model mode: one flattened forward over the batch, greedy sampling."""
+        s, be = self.sched, self.sched.be
+        slots, n, start = batch.slots, batch.num_scheduled, batch.start
+        if len(slots) == 0:
+            return be.empty_int()
+        rows = xp.repeat(slots, n)
+        within = be.arange(len(rows)) - xp.repeat(xp.exclusive_cumsum(n), n)
+        positions = xp.repeat(start, n) + within
+        bs = self.config.block_size
+        input_ids = s.token_ids[rows, positions]
+        slot_mapping = s.block_table[rows, positions // bs] * bs + positions % bs
+        seq_lens = start + n
+        width = int(((seq_lens + bs - 1) // bs).max())
+        query_start = be.cat([be.asarray([0]), n.cumsum(0)])
+        last = query_start[1:] - 1
+        t = (lambda a: be.storage(a).to(self.device)) if be.numpy else (lambda a: a)
+        meta = AttentionMetadata(
+            block_table=t(xp.copy(s.block_table[slots, :width])), seq_start=t(start), query_start=t(query_start),
+            seq_lens=t(seq_lens), token_seq=t(xp.repeat(be.arange(len(slots)), n)).to(torch.int32),
+            token_pos=t(positions).to(torch.int32))
+        logits = self.model.forward(t(input_ids), t(positions), t(slot_mapping), meta, t(last[batch.samples]))
+        out = logits.argmax(-1)
+        return out.numpy() if be.numpy else out
+
+    # -- decision log ------------------------------------------------------------
+
+    def _record(self, batch: Batch, names: list[str], samplers: list[str], tokens, finished) -> StepRecord:
+        s = self.sched
+        rec = StepRecord(step=self.num_steps - 1)
+        rec.scheduled = list(zip(names, xp.to_list(batch.num_scheduled)))
+        rec.new, rec.resumed, rec.preempted = batch.new, batch.resumed, batch.preempted
+        rec.finished = finished
+        rec.aborted, self._aborted = self._aborted, []
+        rec.rejected, self._rejected = self._rejected, []
+        rec.sampled = dict(zip(samplers, xp.to_list(tokens)))
+        if self.level != "decisions":
+            ids = s.ids[s.be.host(s.running)].tolist()
+            held = xp.to_list(s.num_blocks[s.running])
+            rec.num_free_blocks = s.pool.num_free
+            rec.blocks = {r: k for r, k in zip(ids, held) if k}
+            rec.cache_hits = batch.cache_hits
+            rec.num_evicted = len(s.pool.evicted)
+            if self.level == "exact":
+                rec.block_ids = {r: t for r, t, k in zip(ids, s.tables(), held) if k}
+                rec.evicted = list(s.pool.evicted)
+        return rec

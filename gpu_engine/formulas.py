@@ -1,0 +1,196 @@
+"""Closed forms of vLLM V1's sequential scheduling loops, as small pure array functions.
+
+vLLM walks requests one at a time: every grant shrinks the token budget and
+every allocation shrinks the free-block count seen by the next request.  Each
+function here computes the outcome of such a walk for a whole batch at once
+with prefix sums and masks.  They take arrays (torch tensors or numpy arrays,
+see :mod:`gpu_engine.xp`) and plain ints, touch no engine state, and each
+docstring states the identity it relies on, so that a prover (a later issue:
+Z3 translation validation) can check it against the spec's loop.
+
+Notation: ``excl(x)[i] = x[0] + ... + x[i-1]`` (exclusive prefix sum),
+``cdiv(a, b) = ceil(a / b)``.
+"""
+from __future__ import annotations
+
+from gpu_engine import xp
+from gpu_engine.xp import Array
+
+INF_KEY = 1 << 62  # queue key of a request that is not waiting / a block not in the free queue
+
+# Stop codes, in vLLM's check order (0 = keep going).
+STOP_NONE, STOP_EOS, STOP_TOKEN, STOP_MAX_MODEL_LEN, STOP_MAX_TOKENS = range(5)
+
+
+def cdiv(a, b: int):
+    return -(-a // b)
+
+
+def token_demand(num_tokens: Array, num_computed: Array, cap: int, max_model_len: int) -> Array:
+    """Tokens each running request asks for before the budget cut.
+
+    ``c = min(capT(num_tokens - num_computed), max_model_len - num_computed - 1)``
+    where ``capT(x) = T if 0 < T < x else x`` is the long-prefill cap.  The
+    loop's ``min(n, budget)`` is applied by :func:`grant_tokens`; since ``min``
+    commutes, cutting by the budget first (as vLLM does) gives the same value.
+    """
+    c = num_tokens - num_computed
+    if cap > 0:
+        c = xp.minimum(c, cap)
+    return xp.minimum(c, max_model_len - 1 - num_computed)
+
+
+def grant_tokens(demand: Array, budget: int) -> tuple[Array, Array]:
+    """Phase 1 budget walk: ``(n, reached)``.
+
+    Loop: ``while budget > 0: n_i = min(c_i, budget); if n_i <= 0: skip; budget -= n_i``.
+    With ``c⁺ = max(c, 0)`` the budget left before request ``i`` is
+    ``left_i = max(0, B - excl(c⁺)_i)`` (induction: ``left_{i+1} = max(0, left_i - c⁺_i)``),
+    so ``n_i = min(c⁺_i, left_i)`` and request ``i`` is reached iff ``left_i > 0``.
+    A reached request with ``n_i = 0`` is skipped, not a stop.
+    """
+    c = xp.maximum(demand, 0)
+    left = xp.maximum(budget - xp.exclusive_cumsum(c), 0)
+    return xp.minimum(c, left), left > 0
+
+
+def block_demand(num_computed: Array, n: Array, held: Array, block_size: int, max_model_len: int) -> Array:
+    """New blocks each scheduled running request pops (0 where ``n <= 0``).
+
+    vLLM's ``allocate_slots`` without hits: ``slots = min(min(computed, L) + n, L)``
+    which equals ``min(computed + n, L)`` for ``n > 0``;
+    ``need = max(cdiv(slots, bs) - held, 0)``.
+    """
+    slots = xp.minimum(num_computed + n, max_model_len)
+    need = xp.maximum(cdiv(slots, block_size) - held, 0)
+    return xp.where(n > 0, need, 0)
+
+
+def first_overflow(need: Array, free: int) -> int:
+    """Index of the first request whose allocation fails, or ``len(need)``.
+
+    Allocations run in order and each takes ``need_i`` of the free blocks, so
+    request ``i`` fails first iff ``excl(need)_i + need_i > free`` for the
+    smallest such ``i`` (the inclusive prefix sum is non-decreasing).
+    """
+    return xp.first_true(need.cumsum(0) > free)
+
+
+def victims_needed(freed_in_order: Array, free: int, need: int, self_pos: int) -> tuple[int, bool]:
+    """How many victims one failed allocation preempts: ``(count, self_preempted)``.
+
+    Loop: ``while need > free: v = next victim; free += freed(v); if v is r: stop``.
+    Victims come in a fixed order (FCFS: the running list from the tail;
+    priority: by descending (priority, arrival)), so after ``j + 1`` victims
+    ``free_j = free + incl(freed)_j``, where ``freed_j`` counts the blocks whose
+    *last* holder is victim ``j`` (see :func:`freed_by_position`).  The loop
+    preempts ``j* + 1`` victims with ``j* = min(first j with free_j >= need, self_pos)``
+    where ``self_pos`` is the requester's own place in the victim order; it
+    preempted itself iff ``j* == self_pos``.
+    """
+    fits = xp.first_true(free + freed_in_order.cumsum(0) >= need)
+    j = min(fits, self_pos)
+    return j + 1, j == self_pos
+
+
+def freed_by_position(position: Array, last_position: Array, length: int) -> Array:
+    """Blocks each victim returns to the free queue, if victims are freed in order.
+
+    Input: one entry per (victim, held block): ``position`` = the victim's place
+    in the order, ``last_position`` = the largest place among that block's
+    holders.  A block's ref count equals its number of holders (only running
+    requests hold blocks), so it reaches 0 exactly when its last holder is
+    freed: ``freed_j = #{entries : position = last_position = j}``.
+    """
+    return xp.bincount(position[position == last_position], length)
+
+
+def admission(
+    num_tokens: Array,
+    hit_tokens: Array,
+    num_hit_blocks: Array,
+    evictable_hits: Array,
+    *,
+    budget: int,
+    free: int,
+    watermark: int,
+    num_running: int,
+    cap: int,
+    chunked: bool,
+    full_isl: bool,
+    block_size: int,
+    max_model_len: int,
+) -> tuple[int, Array, Array]:
+    """Phase 2 admission walk over the queue head: ``(count, n, need)``.
+
+    Candidate ``j`` (in queue order, hits already known) asks
+    ``c_j = capT(num_tokens_j - hit_tokens_j)``.  If all before it were admitted,
+    ``left_j = max(0, B - excl(c)_j)``, ``n_j = min(c_j, left_j)``; it needs
+    ``need_j = max(cdiv(min(hit_j + n_j, L), bs) - nhit_j, 0) + E_j`` blocks
+    (``E_j`` = its hit blocks that sit in the free queue, which touching consumes)
+    and, with ``full_isl``, ``full_j = max(cdiv(min(num_tokens_j, L), bs) - nhit_j, 0) + E_j``.
+    The free count it sees is ``F_j = F - excl(need)_j``; the watermark applies
+    iff anything is running: ``W_j = W if num_running + j > 0 else 0``.
+    ``ok_j = left_j > 0 ∧ (chunked ∨ c_j <= left_j) ∧ (¬full_isl ∨ full_j + W_j <= F_j)
+    ∧ need_j + W_j <= F_j``, and the loop admits exactly the longest all-``ok`` prefix
+    (it stops at the first failure: head-of-line blocking).
+    """
+    rem = num_tokens - hit_tokens
+    c = xp.minimum(rem, cap) if cap > 0 else rem
+    left = xp.maximum(budget - xp.exclusive_cumsum(c), 0)
+    n = xp.minimum(c, left)
+    need = xp.maximum(cdiv(xp.minimum(hit_tokens + n, max_model_len), block_size) - num_hit_blocks, 0) + evictable_hits
+    seen_free = free - xp.exclusive_cumsum(need)
+    position = xp.exclusive_cumsum(c * 0 + 1)  # 0, 1, 2, ... (j)
+    wm = xp.where(position + num_running > 0, watermark, 0)
+    ok = (left > 0) & (need + wm <= seen_free)
+    if not chunked:
+        ok = ok & (c <= left)
+    if full_isl:
+        full = xp.maximum(cdiv(xp.minimum(num_tokens, max_model_len), block_size) - num_hit_blocks, 0) + evictable_hits
+        ok = ok & (full + wm <= seen_free)
+    count = xp.first_true(~ok)
+    return count, n, need
+
+
+def free_order(groups: Array, last: Array, zero: Array, hashed: Array) -> tuple[Array, Array]:
+    """Where freed blocks re-enter the free queue: ``(to_head, to_tail)`` index arrays.
+
+    Input: the blocks being freed as one sequence (request after request in
+    freeing order, each request's blocks tail first), ``groups[i]`` = which
+    request, ``last[i]`` = this is the block's last occurrence in the sequence,
+    ``zero[i]`` = its ref count is 0 after all decrements, ``hashed[i]`` = it is
+    a cached block (and caching is on).  A block enters the queue at its last
+    occurrence, when its count reaches 0.  vLLM's per-request
+    ``free_blocks`` prepends the unhashed ones (keeping order, so a later
+    request's blocks end up ahead of an earlier one's) and appends the hashed
+    ones: in one batch that is ``to_tail`` = hashed entries in sequence order,
+    ``to_head`` = unhashed entries sorted by descending group, stable.
+    """
+    enter = last & zero
+    tail = xp.nonzero(enter & hashed)
+    head = xp.nonzero(enter & ~hashed)
+    if len(head) and int(groups[head[-1]]) != int(groups[head[0]]):
+        head = head[xp.stable_argsort(-groups[head])]
+    return head, tail
+
+
+def stop_codes(
+    token: Array,
+    eos_ok: Array,
+    stop_hit: Array,
+    num_tokens: Array,
+    num_output: Array,
+    max_tokens: Array,
+    eos_token_id: int,
+    max_model_len: int,
+) -> Array:
+    """vLLM's ``check_stop`` for every sampled token at once (after the append).
+
+    ``EOS if token == eos ∧ ¬ignore_eos, else STOP_TOKEN if token ∈ stop_ids,
+    else MAX_MODEL_LEN if num_tokens >= L, else MAX_TOKENS if num_output >= max_tokens, else NONE``.
+    """
+    code = xp.where(num_output >= max_tokens, STOP_MAX_TOKENS, STOP_NONE)
+    code = xp.where(num_tokens >= max_model_len, STOP_MAX_MODEL_LEN, code)
+    code = xp.where(stop_hit, STOP_TOKEN, code)
+    return xp.where(eos_ok & (token == eos_token_id), STOP_EOS, code)

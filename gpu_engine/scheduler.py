@@ -1,0 +1,580 @@
+"""Tensor-resident scheduler state and the vectorized step (vLLM V1 decisions).
+
+State (one row per request slot, capacity grows by doubling)
+    ``prompt_len, num_tokens, num_output_tokens, num_computed_tokens, status, priority,
+    arrival, max_tokens, ignore_eos, num_blocks, num_cached_blocks, queue_key``   int64 columns
+    ``token_ids[slot, pos]``     prompt + output tokens
+    ``block_table[slot, i]``     the request's blocks, ``num_blocks`` of them
+    ``stop_ids[slot, j]``        stop token ids (-1 padded)
+    ``running``                  slots in admission order (an int64 array)
+    ``waiting``                  implicit: every slot with a finite ``queue_key``; the
+                                 queue order is ascending key (FCFS: a deque counter,
+                                 victims get keys below the head; priority: (priority, arrival))
+    ``pool``                     :class:`~gpu_engine.block_pool.BlockPool`
+
+A step is a bounded number of array ops plus short host loops only over rare
+events (one iteration per preemption point, per prefix-cache conflict round)
+and over the requests that touch the host hash map (prefix lookups at
+admission; hashing and registering a block when one fills up).  The closed
+forms are in :mod:`gpu_engine.formulas`.
+
+Host-side (Python) state: request ids and trace requests per slot, each
+request's block-hash chain, the prefix-cache map (in the pool) and, for the
+exact-level log only, a mirror of the block tables.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from spec.config import SchedulerConfig
+from spec.formats import FINISH_EOS, FINISH_MAX_MODEL_LEN, FINISH_MAX_TOKENS, FINISH_STOP_TOKEN, TraceRequest
+
+from gpu_engine import formulas as F
+from gpu_engine import xp
+from gpu_engine.block_pool import BlockPool, hash_block, token_bytes
+from gpu_engine.formulas import INF_KEY, cdiv
+from gpu_engine.xp import Array, Backend
+
+FREE, WAITING, RUNNING, PREEMPTED = 0, 1, 2, 3
+REASONS = {F.STOP_EOS: FINISH_EOS, F.STOP_TOKEN: FINISH_STOP_TOKEN,
+           F.STOP_MAX_MODEL_LEN: FINISH_MAX_MODEL_LEN, F.STOP_MAX_TOKENS: FINISH_MAX_TOKENS}
+COLUMNS = ("prompt_len", "num_tokens", "num_output_tokens", "num_computed_tokens", "status", "priority", "arrival",
+           "max_tokens", "ignore_eos", "num_blocks", "num_cached_blocks", "queue_key")
+PRIORITY_SHIFT = 1 << 32  # priority key = priority * 2^32 + arrival (arrivals are unique)
+
+
+@dataclass
+class Batch:
+    """What one ``schedule()`` decided (arrays in batch order) and its bookkeeping lists."""
+
+    slots: Array
+    num_scheduled: Array
+    start: Array  # num_computed_tokens before the step
+    samples: Array  # bool: prefill complete after this step
+    new: list[str] = field(default_factory=list)
+    resumed: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    cache_hits: dict[str, int] = field(default_factory=dict)
+
+
+class Scheduler:
+    """vLLM V1's scheduler and KV-cache manager over tensors (see module docstring)."""
+
+    def __init__(self, config: SchedulerConfig, device="cpu", capacity: int = 8, use_numpy: bool | None = None,
+                 host_tables: bool = False):
+        c = self.config = config
+        self.be = Backend(device, use_numpy)
+        self.bs = c.block_size
+        self.caching = c.enable_prefix_caching
+        self.pool = BlockPool(self.be, c.num_blocks, c.null_block, c.enable_prefix_caching)
+        self.watermark_blocks = c.watermark_blocks
+        self.capacity, self.token_width, self.block_width, self.stop_width = 0, 0, 0, 0
+        self.t: dict[str, object] = {}
+        self._grow(capacity, 16, 4, 1)
+        self.running = self.be.empty_int()
+        self.num_waiting = 0
+        self.free_slots: list[int] = list(range(capacity - 1, -1, -1))
+        self.ids = np.full(capacity, None, dtype=object)  # request id of each slot
+        self.sources: list[TraceRequest | None] = [None] * capacity
+        self.hashes: list[list[int]] = [[] for _ in range(capacity)]
+        self.slot_of: dict[str, int] = {}
+        self.host_tables: list[list[int]] | None = [[] for _ in range(capacity)] if host_tables else None
+        self.seen: set[str] = set()
+        self.num_arrivals = 0
+        self.num_with_stop_ids = 0  # queued or running requests that have stop token ids
+        self.head_key = -1  # FCFS: next key for a prepended victim (decreasing)
+        self.tail_key = 0  # FCFS: next key for an arrival (increasing)
+
+    # ------------------------------------------------------------------ storage
+
+    def _grow(self, capacity: int, token_width: int, block_width: int, stop_width: int) -> None:
+        """(Re)allocate the per-slot tensors, keeping their contents."""
+        be, old = self.be, self.t
+        shapes = {name: (capacity,) for name in COLUMNS}
+        shapes.update(token_ids=(capacity, token_width), block_table=(capacity, block_width),
+                      stop_ids=(capacity, stop_width))
+        fills = {"queue_key": INF_KEY, "block_table": -1, "stop_ids": -1}
+        new = {}
+        for name, shape in shapes.items():
+            t = be.tensor(shape, fills.get(name, 0))
+            if name in old:
+                src = old[name]
+                if len(shape) == 1:
+                    t[: src.shape[0]] = src
+                else:
+                    t[: src.shape[0], : src.shape[1]] = src
+            new[name] = t
+        self.t = new
+        for name, t in new.items():
+            setattr(self, name, be.view(t))
+        if capacity > self.capacity:
+            extra = capacity - self.capacity
+            if self.capacity:
+                self.free_slots = list(range(capacity - 1, self.capacity - 1, -1)) + self.free_slots
+                self.ids = np.concatenate([self.ids, np.full(extra, None, dtype=object)])
+                self.sources += [None] * extra
+                self.hashes += [[] for _ in range(extra)]
+                if self.host_tables is not None:
+                    self.host_tables += [[] for _ in range(extra)]
+        self.capacity, self.token_width, self.block_width, self.stop_width = capacity, token_width, block_width, stop_width
+
+    def _ensure(self, num_tokens: int, num_blocks: int, num_stop: int) -> None:
+        cap, tw, bw, sw = self.capacity, self.token_width, self.block_width, self.stop_width
+        if not self.free_slots:
+            cap *= 2
+        while tw < num_tokens:
+            tw *= 2
+        while bw < num_blocks:
+            bw *= 2
+        while sw < num_stop:
+            sw *= 2
+        if (cap, tw, bw, sw) != (self.capacity, self.token_width, self.block_width, self.stop_width):
+            self._grow(cap, tw, bw, sw)
+
+    # ------------------------------------------------------------------ arrivals
+
+    def rejection(self, req: TraceRequest) -> str | None:
+        """REJECT.*: a prompt with no room for one output token, or a request whose
+        peak footprint ``min(prompt + max_tokens - 1, L - 1)`` exceeds the pool."""
+        c = self.config
+        if not c.reject_unservable:
+            return None
+        if req.prompt_len + 1 > c.max_model_len:
+            return "prompt_too_long"
+        peak = min(req.prompt_len + req.max_tokens - 1, c.max_model_len - 1)
+        if cdiv(peak, self.bs) > c.usable_blocks:
+            return "never_fits"
+        return None
+
+    def add(self, req: TraceRequest, prompt: list[int]) -> None:
+        """Queue a request (already checked by :meth:`rejection`); ``prompt`` its token ids."""
+        c = self.config
+        longest = max(min(req.prompt_len + req.max_tokens, c.max_model_len), req.prompt_len + 1)
+        self._ensure(longest, cdiv(min(longest, c.max_model_len), self.bs) + 1, len(req.stop_token_ids))
+        s = self.free_slots.pop()
+        self.ids[s], self.sources[s] = req.id, req
+        self.slot_of[req.id] = s
+        p = len(prompt)
+        self.token_ids[s, :p] = self.be.asarray(prompt)
+        self.stop_ids[s, :] = -1
+        if req.stop_token_ids:
+            self.stop_ids[s, : len(req.stop_token_ids)] = self.be.asarray(list(req.stop_token_ids))
+            self.num_with_stop_ids += 1
+        arrival = self.num_arrivals
+        self.num_arrivals += 1
+        for name, v in (("prompt_len", p), ("num_tokens", p), ("num_output_tokens", 0), ("num_computed_tokens", 0),
+                        ("status", WAITING), ("priority", req.priority), ("arrival", arrival),
+                        ("max_tokens", req.max_tokens), ("ignore_eos", int(req.ignore_eos)),
+                        ("num_blocks", 0), ("num_cached_blocks", 0)):
+            getattr(self, name)[s] = v
+        self.hashes[s] = self._chain([], prompt) if self.caching else []
+        self._enqueue(s, front=False)
+
+    def _chain(self, chain: list[int], tokens: list[int]) -> list[int]:
+        """Extend a block-hash chain over the full blocks of ``tokens`` (prompt + outputs)."""
+        bs = self.bs
+        for i in range(len(chain), len(tokens) // bs):
+            chain.append(hash_block(chain[-1] if chain else None, token_bytes(tokens[i * bs:(i + 1) * bs])))
+        return chain
+
+    def _enqueue(self, s: int, front: bool) -> None:
+        """Waiting queue insert: FCFS tail (arrival) or head (victim); priority by key."""
+        if self.config.policy == "priority":
+            key = int(self.priority[s]) * PRIORITY_SHIFT + int(self.arrival[s])
+        elif front:
+            key, self.head_key = self.head_key, self.head_key - 1
+        else:
+            key, self.tail_key = self.tail_key, self.tail_key + 1
+        self.queue_key[s] = key
+        self.num_waiting += 1
+
+    def abort(self, request_id: str) -> bool:
+        """Remove a waiting or running request and free its blocks at once."""
+        s = self.slot_of.get(request_id)
+        if s is None:
+            return False
+        if int(self.status[s]) == RUNNING:
+            self._free_tables(self.be.asarray([s]))
+            self.status[s] = FREE
+            self.running = self.running[self.status[self.running] == RUNNING]
+        else:
+            self.queue_key[s] = INF_KEY
+            self.num_waiting -= 1
+        self._release(s)
+        return True
+
+    def _release(self, s: int) -> None:
+        if self.sources[s].stop_token_ids:
+            self.num_with_stop_ids -= 1
+        self.status[s] = FREE
+        self.num_blocks[s] = 0
+        del self.slot_of[self.ids[s]]
+        self.ids[s] = self.sources[s] = None
+        self.hashes[s] = []
+        self.free_slots.append(s)
+
+    def has_unfinished(self) -> bool:
+        return len(self.running) > 0 or self.num_waiting > 0
+
+    # ------------------------------------------------------------------ memory helpers
+
+    def _table_entries(self, slots: Array, counts: Array, offset: Array, reverse: bool = False):
+        """(rows, cols) of ``counts[i]`` consecutive block-table entries of each slot
+        starting at ``offset[i]`` (or, reversed, ending just before ``offset[i]``)."""
+        if len(counts) and int(counts.min()) == 1 and int(counts.max()) == 1:  # common: one block each
+            return slots, (offset - 1 if reverse else offset)
+        rows = xp.repeat(slots, counts)
+        within = self.be.arange(len(rows)) - xp.repeat(xp.exclusive_cumsum(counts), counts)
+        base = xp.repeat(offset, counts)
+        return rows, (base - 1 - within if reverse else base + within)
+
+    def _free_tables(self, slots: Array) -> None:
+        """Free whole block tables, requests in the given order, each tail first."""
+        held = self.num_blocks[slots]
+        rows, cols = self._table_entries(slots, held, held, reverse=True)
+        groups = xp.repeat(self.be.arange(len(slots)), held)
+        self.pool.free(self.block_table[rows, cols], groups)
+        self.num_blocks[slots] = 0
+        self.num_cached_blocks[slots] = 0
+        if self.host_tables is not None:
+            for s in xp.to_list(slots):
+                self.host_tables[s] = []
+
+    def _allocate(self, slots: Array, need: Array) -> None:
+        """Pop ``need[i]`` new blocks for each slot, in order, onto its block table."""
+        some = xp.nonzero(need)
+        if len(some) == 0:
+            return
+        slots, need = slots[some], need[some]
+        blocks = self.pool.pop(int(need.sum()))
+        rows, cols = self._table_entries(slots, need, self.num_blocks[slots])
+        self.block_table[rows, cols] = blocks
+        self.num_blocks[slots] += need
+        if self.host_tables is not None:
+            self._mirror(slots, need, blocks)
+
+    def _mirror(self, slots: Array, counts: Array, blocks: Array) -> None:
+        """Append to the host copy of the block tables (kept only for the exact log,
+        so that writing it needs no device-to-host copy of whole tables)."""
+        flat, i = xp.to_list(blocks), 0
+        for s, k in zip(xp.to_list(slots), xp.to_list(counts)):
+            self.host_tables[s] += flat[i:i + k]
+            i += k
+
+    def _cache_blocks(self, slots: Array, upto_tokens: Array) -> None:
+        """Register the newly full blocks covering the first ``upto_tokens`` tokens."""
+        if not self.caching:
+            return
+        full = xp.minimum(upto_tokens // self.bs, self.num_blocks[slots])  # (hashes past max_model_len: no block)
+        cached = self.num_cached_blocks[slots]
+        todo = xp.nonzero(full > cached)
+        if len(todo) == 0:
+            return
+        ts, lo, hi = slots[todo], cached[todo], full[todo]
+        rows, cols = self._table_entries(ts, hi - lo, lo)
+        blocks = xp.to_list(self.block_table[rows, cols])
+        chains = self.hashes
+        if len(rows) == len(ts):  # one new full block each (the steady state)
+            hashes = [chains[s][a] for s, a in zip(xp.to_list(ts), xp.to_list(lo))]
+        else:
+            hashes = [h for s, a, b in zip(xp.to_list(ts), xp.to_list(lo), xp.to_list(hi)) for h in chains[s][a:b]]
+        self.pool.register(blocks, hashes)
+        self.num_cached_blocks[ts] = hi
+
+    def _preempt(self, victims: Array) -> None:
+        """Recompute preemption, victims in order: free tables, reset, back to the queue."""
+        self._free_tables(victims)
+        self.status[victims] = PREEMPTED
+        self.num_computed_tokens[victims] = 0
+        for s in xp.to_list(victims):
+            self._enqueue(s, front=True)
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self) -> Batch:
+        """One ``schedule()``: phase 1 (running, in order), then phase 2 (admissions)."""
+        c = self.config
+        self.pool.evicted = []
+        cap = c.long_prefill_token_threshold if len(self.running) + self.num_waiting > 1 else 0
+        budget = c.max_num_batched_tokens
+        empty = self.be.empty_int()
+        batch = Batch(empty, empty, empty, empty)
+        slots1, n1, budget, unscheduled = self._schedule_running(batch, budget, cap)
+        slots2 = n2 = empty
+        if (not batch.preempted or c.admit_after_preempt) and self.num_waiting:
+            slots2, n2, budget = self._schedule_waiting(batch, budget, cap)
+        if unscheduled:
+            keep = ~xp.isin(slots1, self.be.asarray(unscheduled))
+            slots1, n1 = slots1[keep], n1[keep]
+        slots, n = self.be.cat([slots1, slots2]), self.be.cat([n1, n2])
+        start = self.num_computed_tokens[slots]
+        done = start + n
+        self.num_computed_tokens[slots] = done
+        batch.slots, batch.num_scheduled, batch.start = slots, n, start
+        batch.samples = done >= self.num_tokens[slots]
+        return batch
+
+    def _victim_order(self, run: Array) -> Array:
+        """Positions in ``run`` in the order the victim rule picks them.
+
+        FCFS: ``running[-1]`` each time, i.e. the list from the tail.  Priority:
+        ``max(priority, arrival)`` each time, i.e. descending key (keys are unique
+        because arrivals are, so the tie rule never applies)."""
+        if self.config.policy == "priority":
+            key = self.priority[run] * PRIORITY_SHIFT + self.arrival[run]
+            return xp.stable_argsort(-key)
+        return self.be.arange(len(run))[::-1] if self.be.numpy else self.be.arange(len(run)).flip(0)
+
+    def _freed_in_order(self, victims: Array) -> Array:
+        """Blocks each request would return if all were freed in this order
+        (shared prefix blocks return with their last holder)."""
+        held = self.num_blocks[victims]
+        if not self.caching:  # nothing is shared
+            return held
+        rows, cols = self._table_entries(victims, held, held * 0)
+        blocks = self.block_table[rows, cols]
+        position = xp.repeat(self.be.arange(len(victims)), held)
+        last = self.pool._last
+        last[blocks] = -1
+        xp.scatter_max(last, blocks, position)
+        return F.freed_by_position(position, last[blocks], len(victims))
+
+    def _schedule_running(self, batch: Batch, budget: int, cap: int):
+        """Phase 1 in segments: each segment is the closed form up to the next failed
+        allocation; a failure is one preemption event (the only Python loop)."""
+        c = self.config
+        run, i = self.running, 0
+        seg_slots, seg_n, unscheduled = [], [], []
+        while i < len(run) and budget > 0:
+            seg = run[i:]
+            comp = self.num_computed_tokens[seg]
+            ntok = self.num_tokens[seg]
+            n, reached = F.grant_tokens(F.token_demand(ntok, comp, cap, c.max_model_len), budget)
+            k = int(reached.sum())  # reached is a prefix
+            need = F.block_demand(comp[:k], n[:k], self.num_blocks[seg[:k]], self.bs, c.max_model_len)
+            f = F.first_overflow(need, self.pool.num_free)
+            take = xp.nonzero(n[:f] > 0)
+            ts, tn = seg[take], n[take]
+            self._allocate(ts, need[take])
+            self._cache_blocks(ts, xp.minimum(comp[take] + tn, ntok[take]))
+            seg_slots.append(ts)
+            seg_n.append(tn)
+            budget -= int(tn.sum())
+            if f == k:
+                break
+            # -- preemption event at run[i + f] --
+            p = i + f
+            r, nr, dr = int(run[p]), int(n[f]), int(need[f])
+            order = self._victim_order(run)
+            self_pos = int(xp.nonzero(order == p)[0])
+            count, self_preempted = F.victims_needed(self._freed_in_order(run[order]), self.pool.num_free, dr, self_pos)
+            vpos = order[:count]
+            victims = run[vpos]
+            if c.policy == "priority":  # a victim scheduled earlier this step gives its tokens back
+                for ss, sn in zip(seg_slots, seg_n):
+                    hit = xp.isin(ss, victims)
+                    if bool(hit.any()):
+                        budget += int(sn[hit].sum())
+                        unscheduled += xp.to_list(ss[hit])
+            shift = int((vpos < p).sum())
+            self._preempt(victims)
+            batch.preempted += [self.ids[v] for v in xp.to_list(victims)]
+            run = run[self.status[run] == RUNNING]
+            i = p - shift
+            if self_preempted:
+                if c.policy == "priority" and c.priority_self_preempt == "continue":
+                    continue
+                break
+            one = self.be.asarray([r])
+            self._allocate(one, self.be.asarray([dr]))
+            self._cache_blocks(one, xp.minimum(comp[f:f + 1] + nr, ntok[f:f + 1]))
+            seg_slots.append(one)
+            seg_n.append(self.be.asarray([nr]))
+            budget -= nr
+            i += 1
+        self.running = run
+        return self.be.cat(seg_slots), self.be.cat(seg_n), budget, unscheduled
+
+    def _schedule_waiting(self, batch: Batch, budget: int, cap: int):
+        """Phase 2 in rounds: a window of queue heads, their prefix hits looked up on
+        the host, then :func:`formulas.admission`.  A window is cut before the first
+        candidate whose hits an earlier admission in the same window could change
+        (see :meth:`_lookup_window`); the next round looks it up again."""
+        c = self.config
+        out_slots, out_n = [], []
+        while budget > 0 and self.num_waiting > 0 and len(self.running) < c.max_num_seqs:
+            width = min(self.num_waiting, c.max_num_seqs - len(self.running), budget)
+            cand = xp.smallest_k(self.queue_key, width)
+            ntok = self.num_tokens[cand]
+            if self.caching:
+                cand, ntok, hits, nhit, evictable = self._lookup_window(cand, ntok)
+            else:
+                hits = self.be.empty_int()
+                nhit = evictable = ntok * 0
+            count, n, need = F.admission(
+                ntok, nhit * self.bs, nhit, evictable, budget=budget, free=self.pool.num_free,
+                watermark=self.watermark_blocks, num_running=len(self.running), cap=cap,
+                chunked=c.enable_chunked_prefill, full_isl=c.scheduler_reserve_full_isl,
+                block_size=self.bs, max_model_len=c.max_model_len)
+            if count:
+                self._admit(batch, cand[:count], ntok[:count], n[:count], need[:count], hits, nhit[:count], evictable[:count])
+                out_slots.append(cand[:count])
+                out_n.append(n[:count])
+                budget -= int(n[:count].sum())
+            if count < len(cand) or count == 0:
+                break
+        return self.be.cat(out_slots), self.be.cat(out_n), budget
+
+    def _lookup_window(self, cand: Array, ntok: Array):
+        """Prefix hits of the window's candidates, cut at the first one whose lookup
+        could be changed by an earlier candidate of the same window:
+
+        (a) its first missing hash is in an earlier candidate's chain (that one would
+            register it at allocation: same-step sharing);
+        (b) it hits a free cached block, and the earlier candidates could pop past
+            every uncached free block (their pops could evict it);
+        (c) it hits a free cached block an earlier candidate also hits (that one's
+            touch changes whether this one consumes a free block).
+
+        Candidate 0 never conflicts, so every round makes progress."""
+        pool, bs = self.pool, self.bs
+        slots, tok = xp.to_list(cand), xp.to_list(ntok)
+        hit_lists = [pool.lookup(self.hashes[s], (t - 1) // bs) for s, t in zip(slots, tok)]
+        flat = [b for h in hit_lists for b in h]
+        free_hit = set()
+        if flat:
+            fa = self.be.asarray(flat)
+            free_hit = set(xp.to_list(fa[pool.ref_cnt[fa] == 0]))
+        cut = len(slots)
+        if len(slots) > 1:
+            chains: set[int] = set()
+            touched: set[int] = set()
+            pops, uncached = 0, None
+            for j, (s, t, h) in enumerate(zip(slots, tok, hit_lists)):
+                chain = self.hashes[s]
+                mine = [b for b in h if b in free_hit]
+                if j:
+                    if len(h) < (t - 1) // bs and chain[len(h)] in chains:
+                        cut = j
+                        break
+                    if mine and (touched.intersection(mine)):
+                        cut = j
+                        break
+                    if mine and pops:
+                        uncached = pool.num_free_uncached() if uncached is None else uncached
+                        if pops > uncached:
+                            cut = j
+                            break
+                chains.update(chain)
+                touched.update(mine)
+                pops += cdiv(min(t, self.config.max_model_len), bs)
+        hit_lists = hit_lists[:cut]
+        nhit = self.be.asarray([len(h) for h in hit_lists])
+        evictable = self.be.asarray([sum(b in free_hit for b in h) for h in hit_lists])
+        hits = self.be.asarray([b for h in hit_lists for b in h])
+        return cand[:cut], ntok[:cut], hits, nhit, evictable
+
+    def _admit(self, batch: Batch, adm: Array, ntok: Array, n: Array, need: Array,
+               hits: Array, nhit: Array, evictable: Array) -> None:
+        """Commit the admitted prefix: touch hits, pop new blocks, register, run."""
+        if len(hits):
+            own = hits[: int(nhit.sum())]
+            self.pool.touch(own)
+            rows, cols = self._table_entries(adm, nhit, nhit * 0)
+            self.block_table[rows, cols] = own
+            if self.host_tables is not None:
+                self._mirror(adm, nhit, own)
+        self.num_blocks[adm] = nhit
+        self.num_cached_blocks[adm] = nhit
+        self._allocate(adm, need - evictable)
+        hit_tokens = nhit * self.bs
+        self._cache_blocks(adm, xp.minimum(hit_tokens + n, ntok))
+        was = xp.to_list(self.status[adm])
+        self.status[adm] = RUNNING
+        self.num_computed_tokens[adm] = hit_tokens
+        self.queue_key[adm] = INF_KEY
+        self.num_waiting -= len(adm)
+        self.running = self.be.cat([self.running, adm])
+        for s, w, k in zip(xp.to_list(adm), was, xp.to_list(hit_tokens)):
+            rid = self.ids[s]
+            (batch.resumed if w == PREEMPTED else batch.new).append(rid)
+            batch.cache_hits[rid] = k
+
+    # ------------------------------------------------------------------ update
+
+    def update(self, batch: Batch, tokens: Array, eos_token_id: int) -> list[tuple[str, str]]:
+        """Append each sampled token (``tokens`` aligned with the sampling requests in
+        batch order), apply the stop rules, free finished requests in batch order."""
+        smp = batch.slots[batch.samples]
+        if len(smp) == 0:
+            return []
+        c = self.config
+        pos = self.num_tokens[smp]
+        self.token_ids[smp, pos] = tokens
+        ntok = pos + 1
+        nout = self.num_output_tokens[smp] + 1
+        self.num_tokens[smp] = ntok
+        self.num_output_tokens[smp] = nout
+        # cheap screen first: most steps stop nobody
+        maybe = (nout >= self.max_tokens[smp]) | (ntok >= c.max_model_len) | (tokens == eos_token_id)
+        if self.num_with_stop_ids:
+            maybe |= (self.stop_ids[smp] == tokens[:, None]).any(1)
+        if bool(maybe.any()):
+            stop_hit = (self.stop_ids[smp] == tokens[:, None]).any(1)
+            code = F.stop_codes(tokens, self.ignore_eos[smp] == 0, stop_hit, ntok, nout,
+                                self.max_tokens[smp], eos_token_id, c.max_model_len)
+            fin_mask = code > 0
+        else:
+            fin_mask = None
+        if self.caching:
+            full = ntok % self.bs == 0
+            if fin_mask is not None:
+                full &= ~fin_mask
+            grow = xp.nonzero(full)
+            if len(grow):
+                self._extend_chains(smp[grow], ntok[grow])
+        if fin_mask is None or not bool(fin_mask.any()):
+            return []
+        fin = smp[fin_mask]
+        reasons = xp.to_list(code[fin_mask])
+        self._free_tables(fin)
+        out = []
+        for s, why in zip(xp.to_list(fin), reasons):
+            out.append((self.ids[s], REASONS[why]))
+            self._release(s)
+        self.running = self.running[self.status[self.running] == RUNNING]
+        return out
+
+    def _extend_chains(self, slots: Array, ntok: Array) -> None:
+        """Hash each newly full block: the last output token completed it, so it is
+        block ``ntok // bs - 1`` (one gather of those blocks' tokens for all requests)."""
+        bs = self.bs
+        cols = (ntok - bs)[:, None] + self.be.arange(bs)[None, :]
+        raw = self.be.host(self.token_ids[slots[:, None], cols]).tobytes()
+        width = 8 * bs
+        for j, (s, t) in enumerate(zip(xp.to_list(slots), xp.to_list(ntok))):
+            chain = self.hashes[s]
+            if len(chain) != t // bs - 1:  # cannot happen; recompute the chain to be safe
+                row = self.be.host(self.token_ids[s, :t])
+                self.hashes[s] = self._chain(chain, row.tolist())
+                continue
+            chain.append(hash_block(chain[-1] if chain else None, raw[j * width:(j + 1) * width]))
+
+    # ------------------------------------------------------------------ views for records
+
+    def tables(self) -> list[list[int]]:
+        """Block tables of the running requests, in running order (for the exact log)."""
+        if self.host_tables is not None:
+            return [list(self.host_tables[s]) for s in xp.to_list(self.running)]
+        run = self.running
+        held = self.num_blocks[run]
+        width = int(held.max()) if len(run) else 0
+        flat = self.block_table[run, :width].reshape(-1)
+        flat = xp.to_list(flat[(self.be.arange(width)[None, :] < held[:, None]).reshape(-1)])
+        out, i = [], 0
+        for k in xp.to_list(held):
+            out.append(flat[i:i + k])
+            i += k
+        return out

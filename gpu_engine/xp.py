@@ -1,0 +1,169 @@
+"""Array backend: the few operations the scheduler needs, on torch tensors or numpy.
+
+Scheduler state lives in torch tensors on the engine's device.  On CUDA the
+decisions run as torch ops on those tensors.  On CPU the tensors are tiny and
+torch's per-op dispatch (~5 µs) would dominate a step, so the same code runs on
+**numpy views of the same CPU tensors** (``tensor.numpy()`` shares memory: one
+state, two front ends, 1-4 µs per op).  Everything else in :mod:`gpu_engine`
+is written against the operations common to both (operators, indexing,
+``.cumsum(0)``, ``.sum()``, ``.tolist()``) plus this module.
+"""
+from __future__ import annotations
+
+from typing import Any, Union
+
+import numpy as np
+import torch
+
+Array = Union[np.ndarray, torch.Tensor]
+INT = torch.int64
+
+
+def is_np(x: Any) -> bool:
+    return isinstance(x, np.ndarray)
+
+
+class Backend:
+    """Creates arrays and runs the non-common operations for one device."""
+
+    def __init__(self, device: str | torch.device = "cpu", use_numpy: bool | None = None):
+        self.device = torch.device(device)
+        self.numpy = self.device.type == "cpu" if use_numpy is None else use_numpy
+        if self.numpy and self.device.type != "cpu":
+            raise ValueError("numpy views need CPU tensors")
+
+    # -- storage: always a torch tensor; the working view is numpy on CPU --
+    def tensor(self, shape, fill: int = 0, dtype=INT) -> torch.Tensor:
+        return torch.full(shape, fill, dtype=dtype, device=self.device)
+
+    def view(self, t: torch.Tensor) -> Array:
+        """The array the scheduler works on: ``t`` itself, or its numpy view on CPU."""
+        return t.numpy() if self.numpy else t
+
+    def host(self, a: Array) -> np.ndarray:
+        """A numpy copy (or view, on CPU) of ``a`` for host-side work."""
+        return a if is_np(a) else a.cpu().numpy()
+
+    def storage(self, a: Array) -> torch.Tensor:
+        return torch.from_numpy(a) if is_np(a) else a
+
+    # -- construction --
+    def asarray(self, values, dtype=INT) -> Array:
+        if self.numpy:
+            return np.asarray(values, dtype=np.bool_ if dtype is torch.bool else np.int64)
+        return torch.as_tensor(values, dtype=dtype, device=self.device)
+
+    def arange(self, n: int, start: int = 0) -> Array:
+        return np.arange(start, start + n, dtype=np.int64) if self.numpy else torch.arange(start, start + n, device=self.device)
+
+    def empty_int(self) -> Array:
+        return self.arange(0)
+
+    def cat(self, parts: list) -> Array:
+        parts = [p for p in parts if len(p)]
+        if not parts:
+            return self.empty_int()
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate(parts) if self.numpy else torch.cat(parts)
+
+
+# -- operations that differ between numpy and torch (dispatch on the array) --
+
+
+def minimum(a: Array, b) -> Array:
+    """Elementwise ``min(a, b)``; ``b`` an array or a number (not ``ndarray.clip``: ~10x slower)."""
+    if is_np(a):
+        return np.minimum(a, b)
+    return torch.minimum(a, b) if isinstance(b, torch.Tensor) else a.clamp(max=b)
+
+
+def maximum(a: Array, b) -> Array:
+    if is_np(a):
+        return np.maximum(a, b)
+    return torch.maximum(a, b) if isinstance(b, torch.Tensor) else a.clamp(min=b)
+
+
+def where(cond: Array, a, b) -> Array:
+    return np.where(cond, a, b) if is_np(cond) else torch.where(cond, a, b)
+
+
+def as_int(mask: Array) -> Array:
+    return mask.astype(np.int64) if is_np(mask) else mask.to(INT)
+
+
+def exclusive_cumsum(x: Array) -> Array:
+    """``out[i] = x[0] + ... + x[i-1]`` (``out[0] = 0``)."""
+    return x.cumsum(0) - x
+
+
+def nonzero(mask: Array) -> Array:
+    return mask.nonzero()[0] if is_np(mask) else torch.nonzero(mask).flatten()
+
+
+def first_true(mask: Array) -> int:
+    """Index of the first True, or ``len(mask)`` if none (one reduction, no Python loop)."""
+    n = len(mask)
+    if n == 0:
+        return 0
+    if is_np(mask):
+        i = int(mask.argmax())
+    else:
+        i = int(mask.to(torch.uint8).argmax())
+    return i if bool(mask[i]) else n
+
+
+def repeat(x: Array, counts: Array) -> Array:
+    return np.repeat(x, counts) if is_np(x) else torch.repeat_interleave(x, counts)
+
+
+def add_at(target: Array, index: Array, value: int) -> None:
+    """``target[index] += value`` with repeated indices accumulating."""
+    if is_np(target):
+        np.add.at(target, index, value)
+    else:
+        target.index_add_(0, index, torch.full_like(index, value))
+
+
+def bincount(x: Array, length: int) -> Array:
+    return np.bincount(x, minlength=length) if is_np(x) else torch.bincount(x, minlength=length)
+
+
+def stable_argsort(x: Array) -> Array:
+    return np.argsort(x, kind="stable") if is_np(x) else torch.sort(x, stable=True).indices
+
+
+def searchsorted(sorted_seq: Array, values: Array, right: bool = False) -> Array:
+    if is_np(sorted_seq):
+        return np.searchsorted(sorted_seq, values, side="right" if right else "left")
+    return torch.searchsorted(sorted_seq, values, right=right)
+
+
+def smallest_k(keys: Array, k: int) -> Array:
+    """Indices of the ``k`` smallest keys, in increasing key order (keys distinct)."""
+    if k >= len(keys):
+        return stable_argsort(keys)
+    if is_np(keys):
+        part = np.argpartition(keys, k - 1)[:k]
+        return part[np.argsort(keys[part], kind="stable")]
+    return torch.topk(keys, k, largest=False, sorted=True).indices
+
+
+def copy(x: Array) -> Array:
+    return x.copy() if is_np(x) else x.clone()
+
+
+def isin(x: Array, values: Array) -> Array:
+    return np.isin(x, values) if is_np(x) else torch.isin(x, values)
+
+
+def scatter_max(target: Array, index: Array, values: Array) -> None:
+    """``target[index[i]] = max(target[index[i]], values[i])`` with repeats."""
+    if is_np(target):
+        np.maximum.at(target, index, values)
+    else:
+        target.scatter_reduce_(0, index, values, reduce="amax")
+
+
+def to_list(x: Array) -> list:
+    return x.tolist()
