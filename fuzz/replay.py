@@ -266,11 +266,27 @@ def replay_command(trace_path: str, engine: str = "vllm", level: str = "exact",
         write_log(DecisionLog(result.engine, level, result.engine_records, trace=trace_path, config=trace.config), log_path)
     if spec_log_path:
         write_log(DecisionLog("spec", level, result.spec_records, trace=trace_path, config=trace.config), spec_log_path)
+    broken = [] if result.agreed else engine_log_violations(result)
     if json_out:
         verdict = {"trace": trace_path, "engine": result.engine, "level": level, "agreed": result.agreed,
                    "steps": len(result.engine_records), "seconds": round(result.seconds, 3),
-                   "divergence": result.divergence.to_json() if result.divergence else None}
+                   "divergence": result.divergence.to_json() if result.divergence else None,
+                   "engine_log_violations": [v.__dict__ for v in broken]}
         out.print_json(json.dumps(verdict))
     else:
         out.print(result.describe(), highlight=False)
+        if broken:
+            out.print(f"the {result.engine} log alone also breaks {len(broken)} invariant(s):", highlight=False)
+            for v in broken[:10]:
+                out.print(f"  {v.invariant} at step {v.step}" + (f" [{v.request}]" if v.request else "") + f": {v.evidence}",
+                          highlight=False)
     return 0 if result.agreed else 1
+
+
+def engine_log_violations(result: ReplayResult) -> list:
+    """The invariants the engine's own log breaks (black-box, :mod:`invariants.log_checker`)."""
+    from invariants.log_checker import check_log
+    from spec.formats import DecisionLog
+
+    log = DecisionLog(result.engine, result.level, result.engine_records)
+    return check_log(log, resolve(result.trace.config), result.trace).violations
