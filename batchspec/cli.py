@@ -141,8 +141,12 @@ def cmd_prove(args) -> int:
             console.print(f"[green]ok[/]: Hypothesis stateful machine, profile {profile}: {n} examples, "
                           f"every invariant held ({time.perf_counter() - t0:.1f} s)")
         return 0
-    from invariants.z3_proofs import render_table, run_proofs
-
+    try:
+        from invariants.z3_proofs import render_table, run_proofs
+    except ImportError as e:
+        err_console.print(f"[red]error:[/] the Z3 proofs are not available here ({e}); "
+                          "`batchspec prove --hypothesis` runs the stateful campaign")
+        return BAD_INPUT
     rows = run_proofs(bound="long" if args.long else "ci")
     console.print(render_table(rows))
     return 0 if all(r.result == "proved" for r in rows) else 1
@@ -352,6 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-rows", type=int, default=None)
     gen.add_argument("--quiet", action="store_true", help="omit the step table")
     gen.set_defaults(fn=cmd_generate)
+
+    from batchspec import sim_cli
+
+    sim_cli.add_parsers(sub)  # import, simulate, compare, sweep, calibrate
 
     pr = sub.add_parser("profiles", help="list the profiles and every knob value they fix")
     pr.add_argument("profile", nargs="?")

@@ -38,22 +38,17 @@ that evaluates the formula in the same order (IEEE-754 doubles).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 NS_PER_S = 1_000_000_000
 
 
-@dataclass(frozen=True)
-class StepShape:
-    """What a step's batch looked like, as far as its cost is concerned."""
+class StepShape(NamedTuple):
+    """What a step's batch looked like, as far as its cost is concerned (a tuple: one per step)."""
 
     prefill_tokens: int = 0
     decode_seqs: int = 0
     kv_tokens: int = 0
-
-    @property
-    def empty(self) -> bool:
-        return self.prefill_tokens == 0 and self.decode_seqs == 0
 
 
 @dataclass(frozen=True)

@@ -458,7 +458,8 @@ class SpecEngine:
             return tr.prompt_token_ids(self.vocab_size), []
         key = (tr.id, tr.prompt, tr.prompt_len, tr.prefix_group, tr.prefix_len, self.vocab_size, self.config.block_size)
         if key not in self.prompt_cache:
-            prompt = tr.prompt_token_ids(self.vocab_size)
+            ints = self.prompt_cache.setdefault("token ints", list(range(self.vocab_size)))  # one int object per id:
+            prompt = [ints[t] if t < len(ints) else t for t in tr.prompt_token_ids(self.vocab_size)]  # 8 bytes a token
             probe = Request(tr.id, prompt, 1, 0, 0, None, frozenset(), tr, self.config.block_size)
             self.prompt_cache[key] = (prompt, probe.block_hashes)
         return self.prompt_cache[key]
@@ -718,8 +719,8 @@ class SpecEngine:
         )
         if self.record_level == "memory":
             record.num_free_blocks = self.kv.pool.num_free_blocks
-            held = ((r.request_id, len(self.kv.blocks_of(r.request_id))) for r in self.running)
-            record.blocks = {rid: k for rid, k in held if k}
+            tables = self.kv.req_blocks
+            record.blocks = {r.request_id: len(tables[r.request_id]) for r in self.running if tables.get(r.request_id)}
             record.cache_hits = out.cache_hits
             record.num_evicted = num_evicted
         return record

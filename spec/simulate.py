@@ -74,6 +74,7 @@ class StepSample:
     start_ns: int
     end_ns: int
     shape: StepShape
+    parts: list[tuple[str, int, bool]]  # (request, tokens, is_decode) in batch order
 
 
 @dataclass
@@ -210,23 +211,25 @@ def simulate(
         shape, parts = tracker.shape(record)
         end = now + (cost.step_ns(shape) if parts else 0)
         # -- what the record says happened, at the step's start or end --
-        for rid, why in record.rejected:
-            t = times[rid]
-            t.outcome, t.finish_ns = f"rejected: {why}", now
-            in_system -= 1
+        if record.rejected or record.aborted or record.preempted:
+            for rid, why in record.rejected:
+                times[rid].outcome, times[rid].finish_ns = f"rejected: {why}", now
+            for rid in record.aborted:
+                times[rid].outcome, times[rid].finish_ns = "aborted", now
+                running.discard(rid)
+            for rid in record.preempted:
+                times[rid].preemptions += 1
+                running.discard(rid)
+            in_system -= len(record.rejected) + len(record.aborted)
         for rid in record.new:
             times[rid].first_scheduled_ns = now
-            running.add(rid)
+        running.update(record.new)
         running.update(record.resumed)
-        for rid in record.preempted:
-            times[rid].preemptions += 1
-            running.discard(rid)
+        service = result.tenant_service
         for rid, n, decode in parts:
-            result.tenant_service[tenant_of[rid]] += n
-            if decode:
-                result.decode_tokens += 1
-            else:
-                result.prefill_tokens += n
+            service[tenant_of[rid]] += n
+        result.decode_tokens += shape.decode_seqs
+        result.prefill_tokens += shape.prefill_tokens
         itl = result.itl_ns
         for rid in record.sampled:
             t = times[rid]
@@ -240,12 +243,7 @@ def simulate(
             t = times[rid]
             t.outcome, t.finish_ns = why, end
             running.discard(rid)
-            in_system -= 1
-        for rid in record.aborted:
-            t = times[rid]
-            t.outcome, t.finish_ns = "aborted", now
-            running.discard(rid)
-            in_system -= 1
+        in_system -= len(record.finished)
         result.steps += 1
         result.step_end_ns.append(end)
         result.step_ns.append(end - now)
@@ -254,7 +252,7 @@ def simulate(
         free = record.num_free_blocks
         result.used_blocks.append(usable_blocks - free if free is not None and usable_blocks is not None else -1)
         if step < keep_records:
-            result.samples.append(StepSample(record, now, end, shape))
+            result.samples.append(StepSample(record, now, end, shape, parts))
         if on_step is not None:
             on_step(result)
         if not parts and engine.has_unfinished_requests():

@@ -209,39 +209,46 @@ def _stub_manager(block_size, L, held, free):
     return m
 
 
+def _run_allocate(block_size: int, full: bool, comp, tok, n, held, nhit, hit_tokens, free, wm, L, *refs):
+    """The real ``allocate_slots`` on a stub manager; ``(ok, popped, free_after)``."""
+    m = _stub_manager(block_size, L, held, free)
+    hits = _SymLen([_Block(r if isinstance(nhit, int) and k < nhit else
+                           (1 if isinstance(nhit, int) else wrap(z3.If(term(nhit) > k, term(r), 1))))
+                    for k, r in enumerate(refs)], nhit)
+    if isinstance(nhit, int):
+        hits = _SymLen(list(hits)[:nhit], nhit)
+    req = types.SimpleNamespace(request_id="r", num_computed_tokens=comp, num_tokens=tok, block_hashes=[])
+    out = m.allocate_slots(req, n, hits, hit_tokens, full, wm)
+    ok = not isinstance(out, spec_kv.AllocFailure)
+    return ok, m.pool.popped, m.pool.free.n
+
+
 @functools.lru_cache(maxsize=None)
 def allocate_slots(block_size: int, max_hits: int, full_sequence_must_fit: bool) -> Template:
     """``KVCacheManager.allocate_slots`` for one request, reduced to counts.
 
     Arguments: ``(num_computed, num_tokens, n, held, num_hit_blocks, hit_tokens, free,
-    watermark, ref_0 .. ref_{max_hits-1})`` where ``ref_k`` is the ref count of hit
-    block ``k`` (a block with ref 0 sits in the free queue: touching it consumes a free
-    block).  Returns ``(ok, popped, free_after)``: whether it succeeded, how many new
-    blocks it popped from the free queue, and the free count afterwards (pops and
-    touched evictable hits removed).  On failure nothing changes (``popped = 0``).
-    The real method runs on a stub pool whose free queue is a counter.
+    watermark, max_model_len, ref_0 .. ref_{max_hits-1})`` where ``ref_k`` is the ref
+    count of hit block ``k`` (a block with ref 0 sits in the free queue: touching it
+    consumes a free block).  Returns ``(ok, popped, free_after)``: whether it
+    succeeded, how many new blocks it popped, and the free count afterwards (pops
+    and touched evictable hits removed).  On failure nothing changes.  The real
+    method runs on a stub pool whose free queue is a counter; with concrete
+    arguments the real method runs directly.
     """
-    def run(comp, tok, n, held, nhit, hit_tokens, free, wm, *refs):
-        m = _stub_manager(block_size, _L[0], held, free)
-        hits = _SymLen([_Block(wrap(z3.If(term(nhit) > k, term(r), 1))) for k, r in enumerate(refs)], nhit)
-        req = types.SimpleNamespace(request_id="r", num_computed_tokens=comp, num_tokens=tok, block_hashes=[])
-        out = m.allocate_slots(req, n, hits, hit_tokens, full_sequence_must_fit, wm)
-        ok = not isinstance(out, spec_kv.AllocFailure)
-        return ok, m.pool.popped, m.pool.free.n
+    def run(*args):
+        return _run_allocate(block_size, full_sequence_must_fit, *args)
 
-    L = z3.Int(f"alloc_bs{block_size}_L")
-    _L = [Sym(L)]
-    t = lift(f"alloc_bs{block_size}_h{max_hits}_f{int(full_sequence_must_fit)}", run, ["int"] * (8 + max_hits),
-             outputs=3,
-             assumptions=[lambda comp, tok, n, held, nhit, ht, free, wm, *refs: z3.And(
-                 n >= 0, held >= 0, nhit >= 0, nhit <= max_hits, free >= 0, wm >= 0, comp >= 0, *[r >= 0 for r in refs])])
-    t.params.append(L)  # the template's last parameter: max_model_len
-    t.concrete = None
-    return t
+    return lift(f"alloc_bs{block_size}_h{max_hits}_f{int(full_sequence_must_fit)}", run, ["int"] * (9 + max_hits),
+                outputs=3,
+                assumptions=[lambda comp, tok, n, held, nhit, ht, free, wm, L, *refs: z3.And(
+                    n >= 0, held >= 0, nhit >= 0, nhit <= max_hits, free >= 0, wm >= 0, comp >= 0, L >= 1,
+                    *[r >= 0 for r in refs])],
+                concrete=run)
 
 
 def allocate(block_size: int, max_hits: int, full: bool, *, comp, tok, n, held, free, L, wm=0,
              nhit=0, hit_tokens=0, refs: Sequence = ()) -> tuple:
     """Apply :func:`allocate_slots`: ``(ok, popped, free_after)``."""
     refs = list(refs) + [1] * (max_hits - len(refs))
-    return allocate_slots(block_size, max_hits, full)(comp, tok, n, held, nhit, hit_tokens, free, wm, *refs, L)
+    return allocate_slots(block_size, max_hits, full)(comp, tok, n, held, nhit, hit_tokens, free, wm, L, *refs)

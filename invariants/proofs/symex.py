@@ -32,6 +32,7 @@ from __future__ import annotations
 import builtins
 import operator
 import types
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -42,6 +43,31 @@ import z3
 # --------------------------------------------------------------------------
 
 
+#: The sort of symbolic integers: mathematical integers (the default), or
+#: bit-vectors of a fixed width inside ``with bitvectors(w):`` (the block-pool
+#: proofs: bounded ids and counts, where bit-blasting beats integer arithmetic).
+_SORT: list = ["int", 0]
+
+
+@contextmanager
+def bitvectors(width: int):
+    """Make new symbolic integers and constants ``width``-bit vectors (signed compare)."""
+    old = list(_SORT)
+    _SORT[:] = ["bv", width]
+    try:
+        yield
+    finally:
+        _SORT[:] = old
+
+
+def num(v: int) -> z3.ExprRef:
+    return z3.IntVal(v) if _SORT[0] == "int" else z3.BitVecVal(v, _SORT[1])
+
+
+def int_var(name: str) -> z3.ExprRef:
+    return z3.Int(name) if _SORT[0] == "int" else z3.BitVec(name, _SORT[1])
+
+
 def term(x: Any) -> z3.ExprRef:
     """The Z3 term of a Python or symbolic value."""
     if isinstance(x, (Sym, SymBool)):
@@ -49,7 +75,7 @@ def term(x: Any) -> z3.ExprRef:
     if isinstance(x, bool):
         return z3.BoolVal(x)
     if isinstance(x, int):
-        return z3.IntVal(x)
+        return num(x)
     if isinstance(x, z3.ExprRef):
         return x
     if hasattr(x, "item") and callable(x.item):  # numpy / torch scalar
@@ -62,6 +88,8 @@ def wrap(e: z3.ExprRef, simplify: bool = False) -> "Sym | SymBool | int | bool":
     s = z3.simplify(e) if simplify else e
     if z3.is_int_value(s):
         return s.as_long()
+    if z3.is_bv_value(s):
+        return s.as_signed_long()
     if z3.is_true(s):
         return True
     if z3.is_false(s):
@@ -79,7 +107,7 @@ class Sym:
     __slots__ = ("e",)
 
     def __init__(self, e: z3.ArithRef | str):
-        self.e = z3.Int(e) if isinstance(e, str) else e
+        self.e = int_var(e) if isinstance(e, str) else e
 
     def _bin(self, other, op, swap=False):
         if isinstance(other, ZArr):
@@ -286,7 +314,7 @@ class Explorer:
 
     def __init__(self, assumptions: Iterable[z3.BoolRef] = (), max_paths: int = 200_000,
                  index_range: tuple[int, int] = (0, 64)):
-        self.assumptions = list(assumptions)
+        self.assumptions = [term(a) for a in assumptions]
         self.max_paths = max_paths
         self.index_range = index_range
         self.solver = z3.Solver()

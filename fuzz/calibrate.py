@@ -1,0 +1,254 @@
+"""Calibrating the step cost model (:mod:`spec.costmodel`) from measured step times.
+
+A measurement is one row per executed step: the batch's shape and how long
+the step took::
+
+    {"prefill_tokens": 512, "decode_seqs": 31, "kv_tokens": 40960, "seconds": 0.0183}
+
+(JSON: a list of such objects, or ``{"rows": [...]}``; CSV: the same four
+columns.)  :func:`fit` finds the non-negative coefficients that minimize the
+squared error of ``fixed + a·prefill + b·decode + c·kv`` over the rows
+(non-negative least squares; with four unknowns it is solved exactly by trying
+every set of free coefficients, the others held at 0).
+
+Where the rows come from:
+
+* :func:`measure` times any engine of the protocol in this process: it runs a
+  trace step by step, times each ``step()`` (synchronizing CUDA when the
+  engine runs on it) and reads the shape from the step record.  With
+  ``gpu_engine.GpuEngine`` in model mode (``model=`` a ``LlamaConfig`` or a
+  checkpoint folder, ``device="cuda"``) the times are real forward passes;
+* any other engine's logs: per step, the number of prompt tokens computed, the
+  sequences that decoded, the KV tokens their attention read, and the step's
+  wall time (vLLM's ``--collect-detailed-traces`` or a profiler trace gives them).
+
+``python -m fuzz.calibrate measure -o rows.json [--model 8b --device cuda]``
+and ``python -m fuzz.calibrate fit rows.json -o cost.json --name my-gpu``
+(``batchspec calibrate`` is the same fit); ``--cost-model cost.json`` then
+uses the result in ``batchspec simulate / compare / sweep``.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import json
+import math
+import os
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from spec.costmodel import CostModel, StepShape
+from spec.formats import Trace, TraceRequest
+from spec.io import FormatError
+from spec.simulate import BatchTracker
+
+COLUMNS = ("prefill_tokens", "decode_seqs", "kv_tokens", "seconds")
+#: Rows in one calibration file.
+MAX_ROWS = 1_000_000
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A fitted cost model and how well it explains the rows."""
+
+    model: CostModel
+    rows: int
+    r_squared: float
+    median_relative_error: float
+    max_relative_error: float
+
+
+def load_rows(path: str) -> list[tuple[int, int, int, float]]:
+    """Read ``(prefill_tokens, decode_seqs, kv_tokens, seconds)`` rows from JSON or CSV."""
+    path = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise FormatError(path, 0, "(file)", e.strerror or str(e)) from None
+    if path.endswith(".csv"):
+        reader = csv.DictReader(text.splitlines())
+        missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise FormatError(path, 1, missing[0], "missing column")
+        items = [(reader.line_num, row) for row in reader]
+    else:
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise FormatError(path, e.lineno, "(file)", f"invalid JSON ({e.msg})") from None
+        obj = obj.get("rows") if isinstance(obj, dict) else obj
+        if not isinstance(obj, list):
+            raise FormatError(path, 1, "rows", "expected a list of rows (or {\"rows\": [...]})")
+        items = list(enumerate(obj, start=1))
+    if len(items) > MAX_ROWS:
+        raise FormatError(path, 0, "(file)", f"{len(items)} rows exceeds the limit of {MAX_ROWS}")
+    rows = []
+    for where, row in items:
+        if not isinstance(row, dict):
+            raise FormatError(path, where, "(row)", "expected an object with " + ", ".join(COLUMNS))
+        values = []
+        for name in COLUMNS:
+            if name not in row:
+                raise FormatError(path, where, name, "missing")
+            try:
+                v = float(row[name])
+            except (TypeError, ValueError):
+                raise FormatError(path, where, name, f"expected a number, got {row[name]!r}") from None
+            if not math.isfinite(v) or v < 0:
+                raise FormatError(path, where, name, f"must be a finite number >= 0, got {row[name]!r}")
+            values.append(v)
+        rows.append((int(values[0]), int(values[1]), int(values[2]), values[3]))
+    if len(rows) < 4:
+        raise FormatError(path, 0, "(file)", f"{len(rows)} rows: a fit of 4 coefficients needs at least 4")
+    return rows
+
+
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Non-negative least squares for a few columns: the best feasible unconstrained
+    least-squares solution over every subset of free columns (exact for small ``a``)."""
+    n = a.shape[1]
+    best, best_err = np.zeros(n), float(np.sum(b * b))
+    for k in range(1, n + 1):
+        for cols in itertools.combinations(range(n), k):
+            sub, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
+            if np.all(sub >= 0):
+                x = np.zeros(n)
+                x[list(cols)] = sub
+                err = float(np.sum((a @ x - b) ** 2))
+                if err < best_err:
+                    best, best_err = x, err
+    return best
+
+
+def fit(rows: list[tuple[int, int, int, float]], name: str = "calibrated", source: str = "",
+        knobs: dict[str, Any] | None = None) -> Fit:
+    """The cost model that best explains ``rows`` (non-negative coefficients), and its errors."""
+    data = np.asarray(rows, dtype=float)
+    a = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 2]])
+    b = data[:, 3]
+    scale = np.linalg.norm(a, axis=0)
+    scale[scale == 0] = 1.0
+    x = nnls(a / scale, b) / scale  # columns scaled to unit norm: tokens and seconds differ by 1e6
+    x[0] = max(x[0], 1e-9)  # the model needs a positive fixed cost (at least 1 ns per step)
+    pred = a @ x
+    ss_res, ss_tot = float(np.sum((b - pred) ** 2)), float(np.sum((b - b.mean()) ** 2))
+    rel = np.abs(pred - b) / np.maximum(b, 1e-12)
+    model = CostModel(name=name, fixed_s=float(x[0]), per_prefill_token_s=float(x[1]), per_decode_seq_s=float(x[2]),
+                      per_kv_token_s=float(x[3]), knobs=dict(knobs or {}),
+                      source=source or f"fitted to {len(rows)} measured steps (fuzz.calibrate)")
+    return Fit(model, len(rows), 1 - ss_res / ss_tot if ss_tot > 0 else 1.0, float(np.median(rel)), float(rel.max()))
+
+
+def calibration_trace(n: int = 96, seed: int = 0, max_prompt: int = 1024, max_output: int = 64) -> Trace:
+    """Requests whose steps mix prefill chunks and decodes of many sizes (for :func:`measure`)."""
+    rng = random.Random(seed)
+    reqs = [TraceRequest(id=f"c{i}", prompt_len=rng.randint(8, max_prompt), max_tokens=rng.randint(1, max_output),
+                         arrival_step=(i // 8) * rng.randint(1, 12)) for i in range(n)]
+    reqs.sort(key=lambda r: r.arrival_step)
+    return Trace(config={"profile": "vllm-v1"}, requests=reqs)
+
+
+def measure(engine, trace: Trace, warmup: int = 5, sync=None) -> list[tuple[int, int, int, float]]:
+    """Run ``trace`` through ``engine`` (arrivals by step) and time each step; return the rows.
+
+    ``sync`` is called before each clock read (``torch.cuda.synchronize`` on a
+    GPU).  The first ``warmup`` steps are run but not returned.
+    """
+    from spec.protocol import arrival_order
+
+    pending, i, step = arrival_order(trace), 0, 0
+    tracker = BatchTracker(trace.requests)
+    rows = []
+    while i < len(pending) or engine.has_unfinished_requests():
+        if not engine.has_unfinished_requests() and pending[i].arrival_step > step:
+            step = pending[i].arrival_step
+        while i < len(pending) and pending[i].arrival_step <= step:
+            engine.add_request(pending[i])
+            i += 1
+        if sync:
+            sync()
+        t0 = time.perf_counter()
+        record = engine.step()
+        if sync:
+            sync()
+        seconds = time.perf_counter() - t0
+        shape, parts = tracker.shape(record)
+        if parts and step >= warmup:
+            rows.append((shape.prefill_tokens, shape.decode_seqs, shape.kv_tokens, seconds))
+        step += 1
+    return rows
+
+
+def write_rows(rows, path: str) -> None:
+    """Write measured rows as JSON through a temporary file and a rename."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"rows": [dict(zip(COLUMNS, r)) for r in rows]}, f)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _write_json(path: str, obj) -> None:
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fuzz.calibrate", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    me = sub.add_parser("measure", help="time gpu_engine steps on a calibration trace")
+    me.add_argument("-o", "--output", required=True)
+    me.add_argument("--model", default="tiny", help="tiny, 8b (Llama-3-8B shapes, seeded weights) or a checkpoint folder")
+    me.add_argument("--device", default="cpu")
+    me.add_argument("--requests", type=int, default=96)
+    me.add_argument("--num-blocks", type=int, default=4096)
+    ft = sub.add_parser("fit", help="fit the cost model to measured rows")
+    ft.add_argument("rows")
+    ft.add_argument("-o", "--output", required=True)
+    ft.add_argument("--name", default="calibrated")
+    args = p.parse_args(argv)
+    if args.cmd == "measure":
+        import torch
+
+        from gpu_engine import GpuEngine
+        from gpu_engine.model import LlamaConfig
+        from spec.config import resolve
+
+        model = args.model
+        if model == "8b":
+            model = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192)
+        trace = calibration_trace(args.requests)
+        cfg = resolve({"profile": "vllm-v1", "num_blocks": args.num_blocks})
+        dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+        engine = GpuEngine(cfg, trace.vocab_size, trace.eos_token_id, device=args.device, model=model, level="memory", dtype=dtype)
+        sync = torch.cuda.synchronize if args.device.startswith("cuda") else None
+        rows = measure(engine, trace, sync=sync)
+        write_rows(rows, args.output)
+        print(f"{len(rows)} steps measured -> {args.output}")
+        return 0
+    result = fit(load_rows(args.rows), name=args.name)
+    _write_json(args.output, result.model.to_json())
+    print(json.dumps(result.model.to_json(), indent=1))
+    print(f"R^2 {result.r_squared:.4f}, median relative error {result.median_relative_error:.1%}, "
+          f"max {result.max_relative_error:.1%} over {result.rows} steps")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

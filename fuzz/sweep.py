@@ -1,0 +1,303 @@
+"""Running simulations: profile specs, one run, comparisons, and arrival-rate sweeps.
+
+The semantics (the discrete-event loop, the cost model, the metric
+definitions) are in :mod:`spec.simulate`, :mod:`spec.costmodel` and
+:mod:`spec.metrics`; this module is the harness around them:
+
+* ``name`` or ``name:knob=value,knob=value`` names a configuration to simulate
+  (:func:`parse_profile_spec`), e.g. ``vllm-v1:enable_chunked_prefill=false``;
+* the configuration of a run is, from weakest to strongest: the profile's
+  knobs; the cost model's deployment knobs (``num_blocks``, ``max_model_len``)
+  unless the trace header sets them; the trace header's knobs; the spec's knobs;
+  then ``--set`` knobs for every run (:func:`run_config`);
+* :func:`sweep` runs every (profile, rate) pair in worker processes (each
+  keeps a prompt cache, so a trace's prompts are synthesized once per worker)
+  and :func:`capacity` reads the boundary off the results.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from spec.config import PROFILES, ConfigError, SchedulerConfig, resolve
+from spec.costmodel import PRESETS, CostModel
+from spec.formats import Trace
+from spec.metrics import Metrics, summarize
+from spec.simulate import SimResult, mean_rate, scale_to_rate, simulate
+
+#: Per worker process: synthesized prompts and their block hashes, shared by every run.
+_PROMPT_CACHE: dict = {}
+
+
+class UnknownProfile(ConfigError):
+    """A profile spec names a profile that does not exist (yet)."""
+
+
+def parse_value(text: str) -> Any:
+    """``true``/``false``, an integer, a number, or else the text itself."""
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text.strip()
+
+
+def parse_knobs(text: str) -> dict[str, Any]:
+    """``knob=value,knob=value`` to a dict (values through :func:`parse_value`)."""
+    out: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, value = part.partition("=")
+        if not eq or not name.strip():
+            raise ConfigError(part, "expected knob=value")
+        out[name.strip()] = parse_value(value)
+    return out
+
+
+@dataclass(frozen=True)
+class ProfileSpec:
+    """A profile name plus knob overrides, as written on the command line."""
+
+    text: str
+    profile: str
+    knobs: tuple[tuple[str, Any], ...] = ()
+
+
+def parse_profile_spec(text: str) -> ProfileSpec:
+    """``vllm-v1`` or ``vllm-v1:enable_chunked_prefill=false,max_num_batched_tokens=8192``."""
+    name, _, knobs = text.strip().partition(":")
+    if not name:
+        raise ConfigError("profile", f"empty profile name in {text!r}")
+    return ProfileSpec(text.strip(), name, tuple(parse_knobs(knobs).items()))
+
+
+def split_profiles(text: str) -> list[str]:
+    """Split ``a,b:k=v,k2=v2,c`` into specs: a comma starts a new spec only before a name
+    without ``=`` (so knob lists may contain commas)."""
+    specs: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if specs and "=" in part and ":" not in part:
+            specs[-1] += "," + part
+        else:
+            specs.append(part)
+    return specs
+
+
+def run_config(trace: Trace, spec: ProfileSpec | None, cost: CostModel, overrides: dict[str, Any] | None = None) -> SchedulerConfig:
+    """The configuration of one run (precedence in the module docstring); raise ConfigError."""
+    raw = dict(trace.config)
+    if spec is not None:
+        if spec.profile not in PROFILES:
+            raise UnknownProfile("profile", f"unknown profile {spec.profile!r} (known: {', '.join(sorted(PROFILES))})")
+        raw = {k: v for k, v in raw.items() if k not in ("profile",)}
+        raw["profile"] = spec.profile
+        raw.update(dict(spec.knobs))
+    for knob, value in cost.knobs.items():
+        raw.setdefault(knob, value)
+    raw.update(overrides or {})
+    return resolve(raw)
+
+
+def load_cost_model(name_or_path: str) -> CostModel:
+    """A preset name, or a JSON file written by ``fuzz.calibrate`` (``CostModel.to_json``)."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    if os.path.exists(name_or_path):
+        with open(name_or_path) as f:
+            try:
+                return CostModel.from_json(json.load(f))
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"{name_or_path}: not a cost model: {e}") from None
+    raise ValueError(f"unknown cost model {name_or_path!r} (presets: {', '.join(PRESETS)}; or a JSON file)")
+
+
+def run_one(trace: Trace, config: SchedulerConfig, cost: CostModel, keep_records: int = 0,
+            on_step: Callable[[SimResult], None] | None = None) -> SimResult:
+    """One simulation with the fast engine settings and this process's prompt cache."""
+    from spec.scheduler import SpecEngine
+
+    engine = SpecEngine(config, trace.vocab_size, trace.eos_token_id, record_level="memory",
+                        record_reasons=False, prompt_cache=_PROMPT_CACHE)
+    return simulate(trace, cost, engine, keep_records=keep_records, on_step=on_step)
+
+
+def with_arrival_times(trace: Trace) -> Trace:
+    """A step-arrival trace (``arrival_step`` only) read as seconds: step k arrives at k s.
+
+    Under the ``unit`` cost model (1 s per step) the simulation then follows
+    :func:`spec.protocol.drive`'s step numbering.
+    """
+    if all(r.arrival_time is not None for r in trace.requests):
+        return trace
+    if any(r.arrival_time is None and r.arrival_step is None for r in trace.requests):
+        raise ValueError("every request needs arrival_time or arrival_step")
+    reqs = [r if r.arrival_time is not None else dataclasses.replace(r, arrival_time=float(r.arrival_step)) for r in trace.requests]
+    return dataclasses.replace(trace, requests=reqs)
+
+
+# --------------------------------------------------------------------------
+# Sweeps.
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class SweepPoint:
+    profile: str
+    rate: float
+    metrics: Metrics | None = None
+    error: str | None = None
+    skipped: str | None = None
+    cpu_s: float = 0.0
+
+
+@dataclass
+class Capacity:
+    """Where a profile stops keeping up (from a sweep's points, ascending rate)."""
+
+    profile: str
+    slo_s: float
+    slo_rate: float | None  # interpolated rate at which p99 TTFT crosses the SLO (None: never in range)
+    slo_bracket: tuple[float | None, float | None]  # last rate within the SLO, first rate above it
+    unbounded_rate: float | None  # first rate at which the queue grows without bound
+    last_bounded_rate: float | None
+    capacity_estimate: float | None  # the sustained rate at the first unbounded rate
+
+
+def _sweep_job(trace: Trace, spec: ProfileSpec, rate: float, cost: CostModel, overrides: dict[str, Any],
+               slos: dict[str, float]) -> tuple[Metrics, float]:
+    import time
+
+    t0 = time.process_time()
+    config = run_config(trace, spec, cost, overrides)
+    result = run_one(scale_to_rate(trace, rate), config, cost)
+    return summarize(result, slos), time.process_time() - t0
+
+
+def sweep(trace: Trace, specs: list[ProfileSpec], rates: list[float], cost: CostModel, *,
+          overrides: dict[str, Any] | None = None, slos: dict[str, float] | None = None, jobs: int = 1,
+          stop_after_unbounded: int | None = 1, on_point: Callable[[SweepPoint], None] | None = None) -> list[SweepPoint]:
+    """Simulate every profile at every rate; return the points (profiles in order, rates ascending).
+
+    Profiles that do not resolve (unknown names, bad knobs) get one point with
+    ``error`` and no runs.  With ``stop_after_unbounded = k``, once a profile's
+    queue grew without bound at ``k`` rates, its higher rates are skipped
+    (``skipped``): they can only be worse.  ``jobs`` worker processes run the
+    points, lowest rates first.
+    """
+    overrides, slos = dict(overrides or {}), dict(slos or {})
+    rates = sorted(set(rates))
+    points: dict[tuple[str, float], SweepPoint] = {}
+    runnable = []
+    for spec in specs:
+        try:
+            run_config(trace, spec, cost, overrides)
+            runnable.append(spec)
+        except ConfigError as e:
+            point = SweepPoint(spec.text, math.nan, error=str(e))
+            points[(spec.text, math.nan)] = point
+            if on_point:
+                on_point(point)
+    order = [(spec, rate) for rate in rates for spec in runnable]
+    unbounded: dict[str, int] = {}
+
+    def finish(point: SweepPoint) -> None:
+        points[(point.profile, point.rate)] = point
+        if point.metrics is not None and point.metrics.unbounded_queue:
+            unbounded[point.profile] = unbounded.get(point.profile, 0) + 1
+        if on_point:
+            on_point(point)
+
+    def beyond(spec: ProfileSpec, rate: float) -> bool:
+        if stop_after_unbounded is None or unbounded.get(spec.text, 0) < stop_after_unbounded:
+            return False
+        done = [r for (p, r), pt in points.items() if p == spec.text and pt.metrics is not None and pt.metrics.unbounded_queue]
+        return rate > max(done)
+
+    if jobs <= 1:
+        for spec, rate in order:
+            if beyond(spec, rate):
+                finish(SweepPoint(spec.text, rate, skipped="beyond the capacity boundary"))
+                continue
+            metrics, cpu = _sweep_job(trace, spec, rate, cost, overrides, slos)
+            finish(SweepPoint(spec.text, rate, metrics, cpu_s=cpu))
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            queue = list(order)
+            running: dict[Future, tuple[ProfileSpec, float]] = {}
+            while queue or running:
+                while queue and len(running) < jobs:
+                    spec, rate = queue.pop(0)
+                    if beyond(spec, rate):
+                        finish(SweepPoint(spec.text, rate, skipped="beyond the capacity boundary"))
+                        continue
+                    running[pool.submit(_sweep_job, trace, spec, rate, cost, overrides, slos)] = (spec, rate)
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    spec, rate = running.pop(future)
+                    try:
+                        metrics, cpu = future.result()
+                        finish(SweepPoint(spec.text, rate, metrics, cpu_s=cpu))
+                    except Exception as e:  # a run failed (stall, step limit): report it, keep sweeping
+                        finish(SweepPoint(spec.text, rate, error=f"{type(e).__name__}: {e}"))
+    order_index = {spec.text: i for i, spec in enumerate(specs)}
+    return sorted(points.values(), key=lambda p: (order_index.get(p.profile, 0), p.rate if not math.isnan(p.rate) else -1))
+
+
+def capacity(points: list[SweepPoint], slo_s: float) -> dict[str, Capacity]:
+    """Per profile: where p99 TTFT crosses ``slo_s`` and where the queue becomes unbounded.
+
+    The SLO crossing is interpolated between the last rate whose p99 TTFT is
+    within the SLO and the next one above it, linearly in rate and in log(p99 TTFT)
+    (latency grows exponentially fast near capacity; this is the straight segment
+    of the log-scale plot).  The capacity estimate is the sustained rate
+    (:func:`spec.metrics.queue_growth`) at the first unbounded rate: the
+    completion rate the engine keeps up while overloaded.
+    """
+    out: dict[str, Capacity] = {}
+    by_profile: dict[str, list[SweepPoint]] = {}
+    for p in points:
+        if p.metrics is not None:
+            by_profile.setdefault(p.profile, []).append(p)
+    for profile, pts in by_profile.items():
+        pts.sort(key=lambda p: p.rate)
+        below = above = None
+        for p in pts:
+            if p.metrics.ttft.p99 <= slo_s:
+                if above is None:
+                    below = p
+            elif above is None:
+                above = p
+        slo_rate = None
+        if above is not None and below is not None:  # straight line in (rate, log p99): the log-scale plot's segment
+            y0, y1 = math.log(max(below.metrics.ttft.p99, 1e-9)), math.log(above.metrics.ttft.p99)
+            slo_rate = below.rate + (math.log(slo_s) - y0) * (above.rate - below.rate) / (y1 - y0)
+        elif above is not None:
+            slo_rate = above.rate  # already above at the lowest rate swept: at most this
+        first_unbounded = next((p for p in pts if p.metrics.unbounded_queue), None)
+        bounded = [p.rate for p in pts if not p.metrics.unbounded_queue and (first_unbounded is None or p.rate < first_unbounded.rate)]
+        out[profile] = Capacity(
+            profile=profile,
+            slo_s=slo_s,
+            slo_rate=slo_rate,
+            slo_bracket=(below.rate if below else None, above.rate if above else None),
+            unbounded_rate=first_unbounded.rate if first_unbounded else None,
+            last_bounded_rate=max(bounded) if bounded else None,
+            capacity_estimate=first_unbounded.metrics.sustained_rate if first_unbounded else None,
+        )
+    return out
+
+
+def default_rates(trace: Trace, count: int = 10) -> list[float]:
+    """``count`` rates spaced by factors of 2 around the trace's own rate (1/8x .. 64x for 10)."""
+    base = mean_rate(trace.requests)
+    return [round(base * 2 ** (k - 3), 4) for k in range(count)]
