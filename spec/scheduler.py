@@ -679,32 +679,8 @@ class SpecEngine:
         req.finish_reason = why
 
     def _record(self, out: SchedulerOutput, finished: list[tuple[str, str]], sampled: dict[str, int]) -> StepRecord:
+        """The step's record, with the fields up to ``record_level`` (reasons if recorded)."""
         evicted = self.kv.pool.take_evicted()
-        if self.record_level != "exact":
-            return self._light_record(out, finished, sampled, len(evicted))
-        tables = {r.request_id: self.kv.blocks_of(r.request_id) for r in self.running}
-        return StepRecord(
-            step=-1,
-            scheduled=[(s.request_id, s.num_tokens) for s in out.scheduled],
-            new=out.new,
-            resumed=out.resumed,
-            preempted=out.preempted,
-            finished=finished,
-            aborted=self._aborted,
-            rejected=self._rejected,
-            sampled=sampled,
-            num_free_blocks=self.kv.pool.num_free_blocks,
-            blocks={rid: len(t) for rid, t in tables.items() if t},
-            cache_hits=out.cache_hits,
-            num_evicted=len(evicted),
-            block_ids={rid: [b.block_id for b in t] for rid, t in tables.items() if t},
-            evicted=evicted,
-            reasons=self._reasons + out.reasons,
-        )
-
-    def _light_record(self, out: SchedulerOutput, finished: list[tuple[str, str]], sampled: dict[str, int],
-                      num_evicted: int) -> StepRecord:
-        """The record without the fields above ``record_level`` (and without reasons if not recorded)."""
         record = StepRecord(
             step=-1,
             scheduled=[(s.request_id, s.num_tokens) for s in out.scheduled],
@@ -717,12 +693,17 @@ class SpecEngine:
             sampled=sampled,
             reasons=self._reasons + out.reasons if self.record_reasons else None,
         )
-        if self.record_level == "memory":
-            record.num_free_blocks = self.kv.pool.num_free_blocks
-            tables = self.kv.req_blocks
-            record.blocks = {r.request_id: len(tables[r.request_id]) for r in self.running if tables.get(r.request_id)}
-            record.cache_hits = out.cache_hits
-            record.num_evicted = num_evicted
+        if self.record_level == "decisions":
+            return record
+        tables = self.kv.req_blocks
+        held = [(r.request_id, tables[r.request_id]) for r in self.running if tables.get(r.request_id)]
+        record.num_free_blocks = self.kv.pool.num_free_blocks
+        record.blocks = {rid: len(t) for rid, t in held}
+        record.cache_hits = out.cache_hits
+        record.num_evicted = len(evicted)
+        if self.record_level == "exact":
+            record.block_ids = {rid: [b.block_id for b in t] for rid, t in held}
+            record.evicted = evicted
         return record
 
 
