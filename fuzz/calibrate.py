@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from spec.costmodel import CostModel, StepShape
+from spec.costmodel import CostModel
 from spec.formats import Trace, TraceRequest
 from spec.io import FormatError
 from spec.simulate import BatchTracker

@@ -127,14 +127,12 @@ def _csv_rows(path: str, required: tuple[str, ...]) -> Iterator[tuple[int, int, 
         missing = [c for c in required if c not in header]
         if missing:
             raise FormatError(path, 1, missing[0], f"missing column (header has: {', '.join(header) or 'nothing'})")
-        line = 1
         for index, row in enumerate(reader):
             if index >= LIMITS["requests"]:
                 raise FormatError(path, reader.line_num, "(file)", f"more rows than the limit requests={LIMITS['requests']}")
             if None in row:
                 raise FormatError(path, reader.line_num, "(line)", f"{len(header) + len(row[None])} fields, header has {len(header)}")
-            line = reader.line_num
-            yield index, line, row
+            yield index, reader.line_num, row
 
 
 def _jsonl_rows(path: str) -> Iterator[tuple[int, int, dict[str, Any]]]:

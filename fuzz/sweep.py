@@ -21,7 +21,7 @@ import json
 import math
 import os
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from spec.config import PROFILES, ConfigError, SchedulerConfig, resolve

@@ -11,7 +11,7 @@ from spec.config import resolve
 from spec.costmodel import CostModel, StepShape, preset
 from spec.formats import StepRecord, Trace, TraceRequest
 from spec.io import load_trace
-from spec.metrics import jain_index, percentile, queue_growth, summarize
+from spec.metrics import jain_index, percentile, summarize
 from spec.protocol import drive
 from spec.scheduler import SpecEngine, run
 from spec.simulate import BatchTracker, StallError, scale_to_rate, simulate
@@ -193,8 +193,7 @@ def test_kv_utilization_and_rejections():
 
 
 def test_queue_growth_separates_stable_from_overloaded():
-    """Each request takes 5 steps of 10 ms on one of 2 slots: capacity 40 requests/s."""
-    from spec.metrics import queue_growth  # noqa: F401  (the definition under test)
+    """Each request takes 5 steps of 10 ms on one of 2 slots: capacity 40 requests/s (spec.metrics.queue_growth)."""
     cost = CostModel("flat", fixed_s=0.01)
     base = Trace(config={"profile": "vllm-v1", "max_num_seqs": 2},
                  requests=[req(f"r{i}", i / 10, 16, 5) for i in range(300)])
