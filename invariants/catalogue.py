@@ -5,7 +5,8 @@ Sources, merged here so that ``batchspec invariants`` shows one table:
 * the predicates of :mod:`spec.invariants` (checked in the spec after every step,
   and therefore in every Hypothesis stateful run);
 * the black-box checks of :mod:`invariants.log_checker` (any engine's log);
-* the Z3 proofs of :mod:`invariants.z3_proofs`, when that module is present.
+* the Z3 proofs of :mod:`invariants.z3_proofs`, when that module is present;
+* properties over whole runs that a test checks exhaustively up to a size bound (``EXHAUSTIVE``).
 
 Bug ids refer to shared/reference/real-bugs.md.
 """
@@ -58,6 +59,22 @@ LOG_ONLY = {
 }
 
 
+#: Properties over whole runs, checked exhaustively on every trace up to a size bound by a test:
+#: id -> (statement, profiles, bugs).
+EXHAUSTIVE = {
+    "VTC.SERVICE_GAP_BOUND": (
+        "Under VTC, over any interval of steps in which two tenants a, b both stay backlogged (a waiting "
+        "request before and after every step's scheduling), |W_a/w_a - W_b/w_b| <= 2U with "
+        "U = max(input_price x L, output_price x M) / min weight, L the longest prompt and M the KV capacity "
+        "in tokens (the 2x bound of Sheng et al., OSDI'24). Checked on every trace of 2 tenants x 2 requests "
+        "(prompt 1|3, max_tokens 1|3, arrival 0|2), weights 1:1 and 1:2, 4 and 8 tokens of KV "
+        "(tests/test_spec_map.py).",
+        "policy=vtc (vtc)",
+        (),
+    ),
+}
+
+
 def z3_coverage() -> dict[str, list[str]]:
     """Invariant id -> names of the Z3 proofs that cover it (empty without z3 or the proofs)."""
     try:
@@ -81,4 +98,6 @@ def catalogue() -> list[Entry]:
     for inv_id, (statement, bugs) in LOG_ONLY.items():
         where = ["log"] + (["hypothesis"] if inv_id == "REQ.ONE_TERMINAL_EVENT" else []) + (["z3"] if z3.get(inv_id) else [])
         entries.append(Entry(inv_id, statement, "all", bugs, tuple(where)))
+    for inv_id, (statement, profiles, bugs) in EXHAUSTIVE.items():
+        entries.append(Entry(inv_id, statement, profiles, bugs, ("exhaustive",)))
     return sorted(entries, key=lambda e: e.id)

@@ -59,7 +59,7 @@ class _Req:
     admitted_seq: int = -1  # order of admission into running (for the FCFS victim)
     computed: int = 0
     outputs: int = 0
-    state: str = "waiting"  # waiting | running | ended
+    state: str = "waiting"  # waiting | running | swapped | ended
 
 
 @dataclass
@@ -158,13 +158,16 @@ class LogChecker:
             if want is not None and want is not r:
                 self.flag("PREEMPT.VICTIM_RULE", rec.step, rid, f"victim should be {want.request_id} ({self.cfg.policy})")
             live.remove(r)
-            r.state, r.computed = "waiting", 0
+            if rid in rec.swapped_out:
+                r.state = "swapped"  # keeps its computed tokens (in the CPU pool)
+            else:
+                r.state, r.computed = "waiting", 0
             if rid in scheduled:
                 self.flag("PREEMPT.NOT_SCHEDULED", rec.step, rid, "preempted and scheduled in the same step")
 
     def _check_batching(self, rec: StepRecord, running: list[_Req]) -> None:
         """The profile's batching and reservation styles, as the log shows them."""
-        admitted = rec.new + rec.resumed
+        admitted = rec.new + [rid for rid in rec.resumed if rid not in rec.swapped_in]  # swap-ins are returns
         if self.cfg.kv_reservation == "full" and rec.preempted:
             self.flag("PREEMPT.NEVER_UNDER_FULL_RESERVATION", rec.step, rec.preempted[0], "preempted under full reservation")
         if self.cfg.batching == "static" and admitted and running:
@@ -175,7 +178,11 @@ class LogChecker:
                 self.flag("BATCH.PREFILL_ONLY", rec.step, others[0], "ran in a step that admitted")
 
     def _victim(self, live: list[_Req]) -> _Req | None:
-        if self.cfg.policy == "fcfs":
+        if self.cfg.admission == "estimate":  # fewest outputs, then longest prompt, then the latest
+            if self.trace is None:
+                return None
+            return min(reversed(live), key=lambda r: (r.outputs, -(r.source.prompt_len if r.source else 0)))
+        if self.cfg.policy != "priority":
             return live[-1]
         if self.trace is None:
             return None
@@ -191,9 +198,15 @@ class LogChecker:
             self.flag("PREEMPT.NO_ADMISSION_SAME_STEP", s, admitted[0], "admitted in a step that preempted")
         for rid in admitted:
             r = self.req(rid)
+            if rid in rec.swapped_in:
+                if r.state != "swapped":
+                    self.flag("REQ.SCHEDULED_IS_RUNNING", s, rid, f"swapped in while {r.state}")
+                r.state, r.admitted_seq = "running", self._admissions
+                self._admissions += 1
+                continue
             if r.state != "waiting":
                 self.flag("REQ.SCHEDULED_IS_RUNNING", s, rid, f"admitted while {r.state}")
-            if self.trace is not None:
+            if self.trace is not None and self._ordered():
                 ahead = [w.request_id for w in waiting if w.state == "waiting" and self._queue_key(w) < self._queue_key(r)]
                 if ahead:
                     self.flag("QUEUE.ADMISSION_ORDER", s, rid, f"admitted ahead of {ahead[0]} ({self.cfg.policy})")
@@ -208,6 +221,13 @@ class LogChecker:
                 self.flag("LIVE.NO_IDLE_STALL", s, waiting[0].request_id, "nothing running, requests waiting, none admitted")
         if len(self.running()) > self.cfg.max_num_seqs:
             self.flag("SEQ.MAX_NUM_SEQS", s, None, f"{len(self.running())} running > {self.cfg.max_num_seqs}")
+
+    def _ordered(self) -> bool:
+        """Whether the admission order is a fixed key this checker knows: FCFS or priority without
+        aging, recompute preemption to the queue front (not swap, not SGLang's retraction to the tail)."""
+        cfg = self.cfg
+        return (cfg.policy in ("fcfs", "priority") and not cfg.aging_steps and cfg.admission == "budget"
+                and cfg.preemption_mode == "recompute")
 
     def _queue_key(self, r: _Req) -> tuple:
         """The waiting-queue order: arrival (FCFS; victims return to the front, which under

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-from invariants.strategies import configs
+from invariants.strategies import configs, for_profile
 from spec import invariants as spec_invariants
 from spec.config import PROFILES, resolve
 from spec.formats import TraceRequest
@@ -34,6 +34,7 @@ request_shapes = st.builds(
     prefix_group=st.sampled_from([None, "g"]),
     prefix_len=st.integers(0, 16),
     priority=st.integers(0, 3),
+    tenant=st.sampled_from(["a", "b", "default"]),
     ignore_eos=st.booleans(),
     stop_token_ids=st.sampled_from([(), (6,)]),
     output_tokens=st.lists(st.sampled_from([2, 5, 6, 7]), max_size=3).map(tuple),
@@ -48,12 +49,7 @@ class SpecMachine(RuleBasedStateMachine):
     @initialize(config=configs(), blocks=st.integers(4, 16))
     def start(self, config, blocks):
         # small pools: requests grow past them, so preemption and eviction happen often
-        config = {**config, "profile": self.profile, "num_blocks": blocks}
-        base = PROFILES[self.profile].config
-        config.update(batching=base.batching, kv_reservation=base.kv_reservation)
-        if not base.enable_chunked_prefill:
-            config.update(enable_chunked_prefill=False,
-                          max_num_batched_tokens=max(config["max_num_batched_tokens"], config["max_model_len"]))
+        config = for_profile({**config, "num_blocks": blocks}, self.profile)
         self.engine = SpecEngine(resolve(config), vocab_size=VOCAB, eos_token_id=2, check_invariants=True)
         self.ids: list[str] = []
         self.ended: dict[str, int] = {}

@@ -14,7 +14,28 @@ toward fewer requests, shorter prompts and simpler configurations.
 """
 from hypothesis import strategies as st
 
+from spec.config import PROFILES
 from spec.formats import Trace, TraceRequest
+
+#: Knobs that make a profile what it is: kept from the profile when a drawn
+#: configuration is applied to it (:func:`for_profile`).
+PROFILE_KNOBS = ("batching", "kv_reservation", "policy", "aging_steps", "admission", "preemption_mode",
+                 "num_cpu_blocks", "tenant_weights")
+
+
+def for_profile(config: dict, profile: str) -> dict:
+    """A drawn configuration applied to ``profile``: the profile's defining knobs win
+    (except for vllm-v1, whose drawn knobs exercise every mode), and chunked prefill is
+    turned off when either side has it off."""
+    config = {**config, "profile": profile}
+    base = PROFILES[profile].config
+    if profile != "vllm-v1":
+        for knob in PROFILE_KNOBS:
+            config[knob] = getattr(base, knob)
+    if not config.get("enable_chunked_prefill", True) or not base.enable_chunked_prefill:
+        config["enable_chunked_prefill"] = False
+        config["max_num_batched_tokens"] = max(config.get("max_num_batched_tokens", 1), config.get("max_model_len", 1))
+    return config
 
 
 @st.composite
@@ -24,6 +45,24 @@ def configs(draw):
     budget = draw(st.integers(1, 64))
     if not chunked:
         budget = max(budget, max_model_len)
+    # the issue-8 modes: swap, SGLang's estimate admission, spf, VTC, priority aging
+    policy = draw(st.sampled_from(["fcfs", "priority"]))
+    extra = draw(st.sampled_from(["none", "none", "swap", "estimate", "spf", "vtc", "aging"]))
+    modes: dict = {}
+    if extra == "swap":
+        modes = {"preemption_mode": "swap", "num_cpu_blocks": draw(st.integers(0, 12))}
+    elif extra == "estimate":
+        modes = {"admission": "estimate", "new_token_ratio_decay_steps": draw(st.sampled_from([600, 4])),
+                 "retract_decode_steps": draw(st.sampled_from([20, 1]))}
+    elif extra == "spf":
+        modes = {"aging_steps": draw(st.sampled_from([0, 1, 3]))}
+        policy = "spf"
+    elif extra == "vtc":
+        modes = {"tenant_weights": draw(st.sampled_from(["", "a=2", "a=1,b=3"]))}
+        policy = "vtc"
+    elif extra == "aging":
+        modes = {"aging_steps": draw(st.sampled_from([1, 4]))}
+        policy = "priority"
     return {
         "profile": "vllm-v1",
         "block_size": draw(st.sampled_from([1, 2, 4, 8])),
@@ -33,12 +72,13 @@ def configs(draw):
         "max_model_len": max_model_len,
         "enable_chunked_prefill": chunked,
         "long_prefill_token_threshold": draw(st.sampled_from([0, 0, 3, 8])),
-        "policy": draw(st.sampled_from(["fcfs", "priority"])),
+        "policy": policy,
         "enable_prefix_caching": draw(st.booleans()),
         "scheduler_reserve_full_isl": draw(st.booleans()),
         "watermark": draw(st.sampled_from([0.0, 0.0, 0.1, 0.3])),
         "priority_self_preempt": draw(st.sampled_from(["stop", "continue"])),
         "max_steps": 5000,
+        **modes,
     }
 
 
@@ -61,6 +101,7 @@ def traces(draw):
                 prefix_group=group,
                 prefix_len=draw(st.integers(0, prompt_len)) if group else 0,
                 priority=draw(st.integers(0, 3)),
+                tenant=draw(st.sampled_from(["a", "b", "default"])),
                 ignore_eos=draw(st.booleans()),
                 stop_token_ids=(6,) if draw(st.booleans()) else (),
                 abort_at=at + draw(st.integers(0, 15)) if draw(st.integers(0, 4)) == 0 else None,

@@ -65,8 +65,39 @@ class SchedulerConfig:
     batching: str = "continuous"
 
     # --- admission --------------------------------------------------------
-    #: Queue order: "fcfs" or "priority" (rules QUEUE.*).
+    #: Queue order (rules QUEUE.*): "fcfs"; "priority" (smaller number first);
+    #: "spf" — shortest prompt first (rule QUEUE.SPF); "vtc" — fair share across tenants
+    #: by virtual token counters (Sheng et al., OSDI'24; rules VTC.*).
     policy: str = "fcfs"
+    #: Aging under "priority" and "spf" (rule QUEUE.AGING): a request's effective key
+    #: improves by 1 for every ``aging_steps`` steps since it arrived; 0 = off.
+    aging_steps: int = 0
+    #: VTC tenant weights, "tenant=weight,..." (e.g. "a=2,b=1"); a tenant not named
+    #: weighs 1.  A tenant's counter grows by cost / weight (rule VTC.CHARGE).
+    tenant_weights: str = ""
+    #: VTC price of one prompt (input) token computed (the artifact's input_price = 1).
+    vtc_input_price: float = 1.0
+    #: VTC price of one output token computed (the artifact's output_price = 2).
+    vtc_output_price: float = 2.0
+    #: Admission memory test (rules ADMIT.*): "budget" — blocks for this step (vLLM);
+    #: "estimate" — SGLang's: free + evictable memory minus the running requests'
+    #: estimated remaining output (``new_token_ratio``), retracting the request with the
+    #: fewest output tokens when a step lacks memory (rules ESTIMATE.*, RETRACT.*).
+    admission: str = "budget"
+    #: SGLang's initial new_token_ratio (SGLANG_INIT_NEW_TOKEN_RATIO 0.7 x
+    #: schedule_conservativeness 1.0), restored whenever the engine becomes empty.
+    new_token_ratio_init: float = 0.7
+    #: The ratio's floor as a fraction of its initial value (SGLang: min = init x 0.14).
+    new_token_ratio_min_factor: float = 0.14
+    #: Decode steps over which the ratio decays linearly from init to its floor
+    #: (SGLang: decay = (init - min) / 600 per decode step).
+    new_token_ratio_decay_steps: int = 600
+    #: After a retraction the ratio is reset to (sum outputs + this x remaining) / sum
+    #: max_tokens over the remaining requests (SGLang's retract_decode_steps = 20).
+    retract_decode_steps: int = 20
+    #: A request's remaining output is counted at most this many tokens (SGLang's
+    #: CLIP_MAX_NEW_TOKENS = 4096).
+    clip_max_new_tokens: int = 4096
     #: Admission must find blocks for the whole current sequence, not just this
     #: step's chunk (rule ADMIT.FULL_SEQUENCE).
     scheduler_reserve_full_isl: bool = True
@@ -83,8 +114,13 @@ class SchedulerConfig:
     reject_unservable: bool = True
 
     # --- preemption -------------------------------------------------------
-    #: "recompute": a victim frees all its blocks and starts over (rule PREEMPT.*).
+    #: "recompute": a victim frees all its blocks and starts over (rule PREEMPT.*);
+    #: "swap": a victim's computed blocks are copied to a CPU pool of ``num_cpu_blocks``
+    #: and copied back before any new admission (vLLM V0; rules SWAP.*), falling back to
+    #: recompute when the CPU pool is full (rule SWAP.FALLBACK_RECOMPUTE).
     preemption_mode: str = "recompute"
+    #: Blocks in the CPU swap pool (vLLM V0's swap_space / block size); used by "swap".
+    num_cpu_blocks: int = 0
     #: Admit waiting requests in a step that preempted (rule ADMIT.AFTER_PREEMPT).
     admit_after_preempt: bool = False
     #: Under "priority", when a running request preempts itself: "stop" ends the
@@ -104,6 +140,18 @@ class SchedulerConfig:
     def watermark_blocks(self) -> int:
         return int(self.watermark * self.num_blocks)
 
+    @property
+    def new_token_ratio_min(self) -> float:
+        return self.new_token_ratio_init * self.new_token_ratio_min_factor
+
+    @property
+    def new_token_ratio_decay(self) -> float:
+        return (self.new_token_ratio_init - self.new_token_ratio_min) / self.new_token_ratio_decay_steps
+
+    def weights(self) -> dict[str, float]:
+        """``tenant_weights`` parsed: tenant -> weight (unnamed tenants weigh 1)."""
+        return parse_weights(self.tenant_weights)
+
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -117,11 +165,27 @@ class SchedulerConfig:
         return out
 
 
+def parse_weights(text: str) -> dict[str, float]:
+    """Parse "a=2,b=0.5" into {"a": 2.0, "b": 0.5}; raise ConfigError naming tenant_weights."""
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = -1.0
+        if not sep or not name.strip() or not weight > 0 or weight == float("inf"):
+            raise ConfigError("tenant_weights", f"expected 'tenant=positive weight,...', got {part!r}")
+        out[name.strip()] = weight
+    return out
+
+
 KNOB_CHOICES: dict[str, tuple[str, ...]] = {
     "batching": ("continuous", "prefill-first", "static"),
     "kv_reservation": ("step", "full"),
-    "policy": ("fcfs", "priority"),
-    "preemption_mode": ("recompute",),
+    "policy": ("fcfs", "priority", "spf", "vtc"),
+    "admission": ("budget", "estimate"),
+    "preemption_mode": ("recompute", "swap"),
     "priority_self_preempt": ("stop", "continue"),
 }
 
@@ -213,7 +277,73 @@ TGI = _derived(
     enable_prefix_caching=False,
 )
 
-PROFILES: dict[str, Profile] = {p.name: p for p in (VLLM_V1, NAIVE, STATIC, VLLM_V0, ORCA, TGI)}
+VLLM_V0_SWAP = _derived(
+    "vllm-v0-swap", "0.6", "vLLM V0 with preemption_mode=swap: victims are swapped out to a CPU block pool and "
+    "swapped back in (oldest first) before any new prefill; recompute when the CPU pool is full",
+    ("vLLM V0 core/scheduler.py _schedule_default / _schedule_swapped / _preempt_by_swap (v0.6), "
+     "shared/reference/other-schedulers.md §1 (preemption by swap)",),
+    {**VLLM_V0.fixed,
+     "swap preemption": "every victim is swapped (V0 does so for all groups when preemption_mode='swap' is set)",
+     "num_cpu_blocks": "256 here; V0 derives it from swap_space (4 GiB) / bytes per block, which is model-dependent",
+     "CPU pool full": "V0 raises 'Aborted due to the lack of CPU swap space'; the spec falls back to recompute "
+                      "(rule SWAP.FALLBACK_RECOMPUTE)"},
+    batching="prefill-first", enable_chunked_prefill=False, max_num_batched_tokens=4096, watermark=0.01,
+    enable_prefix_caching=False, preemption_mode="swap", num_cpu_blocks=256,
+)
+SGLANG = _derived(
+    "sglang", "0.4", "SGLang's scheduler: a prefill batch whenever one can be formed, else decode; admission against "
+    "free + evictable memory minus the running requests' new_token_ratio-estimated remaining output; "
+    "retraction of the request with the fewest output tokens (ties: longest prompt) when a decode lacks memory",
+    ("sgl-project/sglang schedule_policy.py PrefillAdder, schedule_batch.py retract_decode / check_decode_mem, "
+     "scheduler.py update_running_batch, global_config.py (init 0.7, min factor 0.14, 600 decay steps, "
+     "retract_decode_steps 20), via shared/reference/other-schedulers.md §2.1",),
+    {"page_size": "1 (SGLang's default): block_size = 1, so allocation is per token",
+     "radix cache": "the spec's hash-chained block cache stands in for RadixCache (per-token pages: same hits up to the "
+                    "last token)",
+     "chunked prefill": "off: the spec's prefill-first batching does not serve an in-flight chunk first as SGLang's "
+                        "chunked_req does",
+     "max_prefill_tokens": "16384 = max_num_batched_tokens",
+     "schedule_conservativeness": "1.0 (new_token_ratio_init = min(0.7 x 1.0, 1))",
+     "retracted requests": "go to the tail of the waiting queue (SGLang's _add_request_to_queue); FCFS does not re-sort",
+     "prefix lock recheck": "not modelled: an evictable prefix hit still counts as free in rem_total_tokens",
+     "enable_mixed_chunk": "off", "policy": "fcfs (SGLang's default; lpm/dfs-weight not modelled)",
+     "block 0": "reserved as the padding slot (null block)"},
+    batching="prefill-first", admission="estimate", enable_chunked_prefill=False, max_num_batched_tokens=16384,
+    block_size=1, num_blocks=16384, scheduler_reserve_full_isl=False, max_num_seqs=1024,
+)
+VTC = _derived(
+    "vtc", "1", "Virtual Token Counter fair scheduling (Sheng et al., OSDI'24): the backlogged tenant with the smallest "
+    "counter is admitted first; counters charge weighted input/output token prices and are lifted on a return",
+    ("Ying1123/VTC-artifact slora/server/router/vtc_req_queue.py (input_price 1, output_price 2, lift on rejoin)",
+     "Sheng et al., Fairness in Serving Large Language Models, OSDI'24 (arXiv 2401.00588), Algorithm 2",),
+    {"batching": "prefill-first, as the S-LoRA/LightLLM router prefills a new mini-batch before merging it",
+     "memory check": "LightLLM's sorted peak check is replaced by reservation to completion (a stricter sufficient "
+                     "condition); never preempts",
+     "max_wait_tokens": "not modelled: a new mini-batch is tried every step",
+     "cost function": "linear (the artifact's 'linear': input_price x prompt tokens + output_price per output token)",
+     "lift with an empty queue": "the paper's branch (lift to the tenant that last left the queue), which the "
+                                 "artifact omits"},
+    policy="vtc", batching="prefill-first", kv_reservation="full", enable_chunked_prefill=False,
+    max_num_batched_tokens=4096, enable_prefix_caching=False,
+)
+PRIORITY_AGING = _derived(
+    "priority-aging", "1", "vLLM V1's priority policy with aging: a waiting request's effective priority improves by "
+    "1 every aging_steps steps of age, so a low-priority request is not starved by a stream of high-priority ones",
+    ("classic priority aging (e.g. Silberschatz, Operating System Concepts §5.3.4); vLLM's SJF scorer ages "
+     "requests by waiting time (shared/reference/other-schedulers.md §1, starvation protection)",),
+    {"aging_steps": "16 (illustrative; not an engine default)"},
+    policy="priority", aging_steps=16,
+)
+SPF_AGING = _derived(
+    "spf-aging", "1", "shortest-prompt-first with aging: the shortest prompt is admitted first, and a waiting "
+    "request's effective length shrinks by 1 token every aging_steps steps of age",
+    ("SGLang shortest-prefill-first / vLLM SJF scorer (length with aging), shared/reference/other-schedulers.md §1",),
+    {"aging_steps": "1 (illustrative; not an engine default)", "victim": "the newest running request"},
+    policy="spf", aging_steps=1,
+)
+
+PROFILES: dict[str, Profile] = {p.name: p for p in (VLLM_V1, NAIVE, STATIC, VLLM_V0, ORCA, TGI, VLLM_V0_SWAP, SGLANG,
+                                                    VTC, PRIORITY_AGING, SPF_AGING)}
 
 
 def knob_names() -> list[str]:
@@ -258,6 +388,32 @@ def validate(cfg: SchedulerConfig) -> SchedulerConfig:
         )
     if not 0.0 <= cfg.watermark < 1.0:
         raise ConfigError("watermark", f"must be in [0, 1), got {cfg.watermark}")
+    for name, choices in KNOB_CHOICES.items():
+        if getattr(cfg, name) not in choices:
+            raise ConfigError(name, f"must be one of {', '.join(choices)}, got {getattr(cfg, name)!r}")
+    if cfg.aging_steps < 0:
+        raise ConfigError("aging_steps", f"must be >= 0, got {cfg.aging_steps}")
+    if cfg.aging_steps and cfg.policy not in ("priority", "spf"):
+        raise ConfigError("aging_steps", f"applies to policy priority or spf, not {cfg.policy!r}")
+    if cfg.num_cpu_blocks < 0:
+        raise ConfigError("num_cpu_blocks", f"must be >= 0, got {cfg.num_cpu_blocks}")
+    if cfg.num_cpu_blocks > LIMITS["num_blocks"]:
+        raise ConfigError("num_cpu_blocks", f"exceeds the limit num_blocks={LIMITS['num_blocks']}")
+    cfg.weights()  # raises ConfigError("tenant_weights", ...)
+    for name in ("vtc_input_price", "vtc_output_price"):
+        if not 0.0 <= getattr(cfg, name) < float("inf"):
+            raise ConfigError(name, f"must be a finite number >= 0, got {getattr(cfg, name)}")
+    if not 0.0 < cfg.new_token_ratio_init <= 1.0:
+        raise ConfigError("new_token_ratio_init", f"must be in (0, 1], got {cfg.new_token_ratio_init}")
+    if not 0.0 <= cfg.new_token_ratio_min_factor <= 1.0:
+        raise ConfigError("new_token_ratio_min_factor", f"must be in [0, 1], got {cfg.new_token_ratio_min_factor}")
+    for name in ("new_token_ratio_decay_steps", "clip_max_new_tokens"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(name, f"must be >= 1, got {getattr(cfg, name)}")
+    if cfg.retract_decode_steps < 0:
+        raise ConfigError("retract_decode_steps", f"must be >= 0, got {cfg.retract_decode_steps}")
+    if cfg.admission == "estimate" and cfg.kv_reservation == "full":
+        raise ConfigError("admission", "estimate is its own reservation rule; it needs kv_reservation=step")
     return cfg
 
 

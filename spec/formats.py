@@ -201,11 +201,16 @@ class StepRecord:
     aborted: list[str] = field(default_factory=list)
     rejected: list[tuple[str, str]] = field(default_factory=list)
     sampled: dict[str, int] = field(default_factory=dict)
+    # decisions level, written only when non-empty (preemption_mode="swap")
+    swapped_out: list[str] = field(default_factory=list)  # the preempted requests that were swapped to CPU
+    swapped_in: list[str] = field(default_factory=list)  # the resumed requests that were swapped back in
     # memory level
     num_free_blocks: int | None = None
     blocks: dict[str, int] | None = None  # request -> number of blocks it holds
     cache_hits: dict[str, int] | None = None  # admitted request -> prefix-hit tokens
     num_evicted: int | None = None  # cached blocks evicted in this step
+    num_free_cpu_blocks: int | None = None  # CPU swap pool, end of step (preemption_mode="swap" only)
+    new_token_ratio: float | None = None  # SGLang's ratio, end of step (admission="estimate" only)
     # exact level
     block_ids: dict[str, list[int]] | None = None
     evicted: list[int] | None = None
@@ -224,11 +229,19 @@ class StepRecord:
             "rejected": [[r, why] for r, why in self.rejected],
             "sampled": dict(self.sampled),
         }
+        if self.swapped_out:
+            out["swapped_out"] = list(self.swapped_out)
+        if self.swapped_in:
+            out["swapped_in"] = list(self.swapped_in)
         if LEVELS.index(level) >= 1 and self.num_free_blocks is not None:
             out["num_free_blocks"] = self.num_free_blocks
             out["blocks"] = dict(self.blocks or {})
             out["cache_hits"] = dict(self.cache_hits or {})
             out["num_evicted"] = self.num_evicted or 0
+            if self.num_free_cpu_blocks is not None:
+                out["num_free_cpu_blocks"] = self.num_free_cpu_blocks
+            if self.new_token_ratio is not None:
+                out["new_token_ratio"] = self.new_token_ratio
         if LEVELS.index(level) >= 2 and self.block_ids is not None:
             out["block_ids"] = {r: list(b) for r, b in self.block_ids.items()}
             out["evicted"] = list(self.evicted or [])
@@ -248,10 +261,14 @@ class StepRecord:
             aborted=list(obj.get("aborted", [])),
             rejected=[(r, why) for r, why in obj.get("rejected", [])],
             sampled=dict(obj.get("sampled", {})),
+            swapped_out=list(obj.get("swapped_out", [])),
+            swapped_in=list(obj.get("swapped_in", [])),
             num_free_blocks=obj.get("num_free_blocks"),
             blocks=obj.get("blocks"),
             cache_hits=obj.get("cache_hits"),
             num_evicted=obj.get("num_evicted"),
+            num_free_cpu_blocks=obj.get("num_free_cpu_blocks"),
+            new_token_ratio=obj.get("new_token_ratio"),
             block_ids=obj.get("block_ids"),
             evicted=obj.get("evicted"),
             reasons=obj.get("reasons"),
@@ -272,8 +289,9 @@ class StepRecord:
 #: Fields compared at each level (DESIGN.md §3).  ``sampled`` is compared by
 #: key (who sampled): its values are the engine's output, which the spec adopts.
 LEVEL_FIELDS = {
-    "decisions": ("scheduled", "new", "resumed", "preempted", "finished", "aborted", "rejected", "sampled"),
-    "memory": ("num_free_blocks", "blocks", "cache_hits", "num_evicted"),
+    "decisions": ("scheduled", "new", "resumed", "preempted", "finished", "aborted", "rejected", "sampled",
+                  "swapped_out", "swapped_in"),
+    "memory": ("num_free_blocks", "blocks", "cache_hits", "num_evicted", "num_free_cpu_blocks", "new_token_ratio"),
     "exact": ("block_ids", "evicted"),
 }
 

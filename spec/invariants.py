@@ -117,18 +117,19 @@ def _slots(eng: "SpecEngine") -> Iterator[str]:
 
 @invariant("REQ.ONE_PLACE", bugs=("VLLM-10", "SGL-11", "LMD-06"))
 def _one_place(eng: "SpecEngine") -> Iterator[str]:
-    """No request is lost: each is in exactly one of waiting / running / finished / aborted / rejected, matching its status."""
+    """No request is lost: each is in exactly one of waiting / running / swapped / finished / aborted /
+    rejected, matching its status."""
     from spec.scheduler import Status
 
     in_running = Counter(r.request_id for r in eng.running)
     in_waiting = Counter(r.request_id for r in eng.waiting)
+    in_swapped = Counter(r.request_id for r in eng.swapped)
     for rid, req in eng.requests.items():
-        places = in_running[rid] + in_waiting[rid]
-        want = {Status.RUNNING: (1, 0), Status.WAITING: (0, 1), Status.PREEMPTED: (0, 1)}.get(req.status, (0, 0))
-        if (in_running[rid], in_waiting[rid]) != want:
-            yield f"{rid} ({req.status.value}) is in running x{in_running[rid]}, waiting x{in_waiting[rid]}"
-        elif places == 0 and req.status in (Status.RUNNING, Status.WAITING, Status.PREEMPTED):
-            yield f"{rid} lost"
+        places = (in_running[rid], in_waiting[rid], in_swapped[rid])
+        want = {Status.RUNNING: (1, 0, 0), Status.WAITING: (0, 1, 0), Status.PREEMPTED: (0, 1, 0),
+                Status.SWAPPED: (0, 0, 1)}.get(req.status, (0, 0, 0))
+        if places != want:
+            yield f"{rid} ({req.status.value}) is in running x{places[0]}, waiting x{places[1]}, swapped x{places[2]}"
     for rid in eng.rejected:
         if rid in eng.requests:
             yield f"{rid} rejected and also admitted"
@@ -136,7 +137,8 @@ def _one_place(eng: "SpecEngine") -> Iterator[str]:
 
 @invariant("REQ.IDLE_HOLDS_NOTHING", bugs=("VLLM-01", "VLLM-02", "VLLM-13", "LMD-02", "TRT-05"))
 def _idle_holds_nothing(eng: "SpecEngine") -> Iterator[str]:
-    """A waiting, preempted, finished or aborted request holds no blocks and has no computed tokens."""
+    """A waiting, preempted, swapped, finished or aborted request holds no GPU blocks; a waiting or
+    recompute-preempted one has no computed tokens (a swapped one keeps them, in the CPU pool)."""
     from spec.scheduler import Status
 
     for rid, req in eng.requests.items():
@@ -158,12 +160,16 @@ def _computed(eng: "SpecEngine") -> Iterator[str]:
             yield f"{rid}: {len(req.output_token_ids)} outputs > max_tokens {req.max_tokens}"
 
 
-@invariant("QUEUE.FCFS_SORTED", bugs=("VLLM-04", "LMD-01", "VLLM-03"), profiles="policy=fcfs")
+@invariant("QUEUE.FCFS_SORTED", bugs=("VLLM-04", "LMD-01", "VLLM-03"),
+           profiles="policy=fcfs, preemption_mode=recompute, admission=budget")
 def _fcfs_sorted(eng: "SpecEngine") -> Iterator[str]:
     """Under FCFS the running list and the waiting queue are each sorted by arrival,
     and every running request arrived before every waiting one: victims go back to
-    the front, so an earlier arrival is never passed."""
-    if eng.config.policy != "fcfs":
+    the front, so an earlier arrival is never passed.  (Not under swap, where a
+    recompute fall-back victim may rejoin behind a swapped-in request, nor under
+    admission=estimate, where a retracted request goes to the tail, as in SGLang.)"""
+    cfg = eng.config
+    if cfg.policy != "fcfs" or cfg.preemption_mode != "recompute" or cfg.admission != "budget":
         return
     seqs = [r.arrival_seq for r in eng.running] + [r.arrival_seq for r in eng.waiting]
     if seqs != sorted(seqs):
@@ -177,6 +183,40 @@ def _max_seqs(eng: "SpecEngine") -> Iterator[str]:
         yield f"{len(eng.running)} running > max_num_seqs {eng.config.max_num_seqs}"
 
 
+@invariant("SWAP.CPU_CONSERVATION", profiles="preemption_mode=swap (vllm-v0-swap)")
+def _cpu_conservation(eng: "SpecEngine") -> Iterator[str]:
+    """The CPU swap pool is conserved: free CPU blocks + the CPU blocks of every swapped request =
+    num_cpu_blocks; exactly the swapped requests hold CPU blocks, ceil(computed / block_size) each,
+    and the swapped queue is in swap-in order."""
+    cfg = eng.config
+    held = sum(eng.cpu_blocks.values())
+    if eng.cpu_free < 0 or eng.cpu_free + held != cfg.num_cpu_blocks:
+        yield f"{eng.cpu_free} free + {held} held CPU blocks != {cfg.num_cpu_blocks}"
+    if set(eng.cpu_blocks) != {r.request_id for r in eng.swapped}:
+        yield f"CPU holders {sorted(eng.cpu_blocks)} != swapped {[r.request_id for r in eng.swapped]}"
+    for r in eng.swapped:
+        want = -(-r.num_computed_tokens // cfg.block_size)
+        if eng.cpu_blocks.get(r.request_id) != want:
+            yield f"{r.request_id}: {eng.cpu_blocks.get(r.request_id)} CPU blocks for {r.num_computed_tokens} computed tokens"
+    if eng.swapped != sorted(eng.swapped, key=eng._swap_key):
+        yield f"swapped queue out of order: {[r.request_id for r in eng.swapped]}"
+
+
+@invariant("ESTIMATE.RATIO_BOUNDS", profiles="admission=estimate (sglang)")
+def _ratio_bounds(eng: "SpecEngine") -> Iterator[str]:
+    """Under admission=estimate, new_token_ratio stays within [0, 1] (decay stops at init x min_factor;
+    a retraction may set it lower, and the next decay step lifts it back to that floor), and equals
+    init whenever nothing is running or waiting."""
+    cfg = eng.config
+    if cfg.admission != "estimate":
+        return
+    r = eng.new_token_ratio
+    if not 0.0 <= r <= 1.0:
+        yield f"new_token_ratio {r} outside [0, 1]"
+    if not eng.has_unfinished_requests() and r != cfg.new_token_ratio_init:
+        yield f"idle engine with new_token_ratio {r} != init {cfg.new_token_ratio_init}"
+
+
 STATE_CHECKS = (
     "MEM.CONSERVATION",
     "MEM.FREE_XOR_HELD",
@@ -188,6 +228,8 @@ STATE_CHECKS = (
     "REQ.COMPUTED_LE_TOKENS",
     "QUEUE.FCFS_SORTED",
     "SEQ.MAX_NUM_SEQS",
+    "SWAP.CPU_CONSERVATION",
+    "ESTIMATE.RATIO_BOUNDS",
 )
 
 
@@ -255,26 +297,88 @@ def _no_preempt_full(eng: "SpecEngine", out: "SchedulerOutput", starved: bool) -
         yield f"preempted {out.preempted} although every request reserved its whole sequence"
 
 
+def _admitted(out: "SchedulerOutput") -> list[str]:
+    """Requests admitted from the waiting queue in this step (swap-ins are returns, not admissions)."""
+    if not out.swapped_in:
+        return out.new + out.resumed
+    return out.new + [r for r in out.resumed if r not in out.swapped_in]
+
+
 @invariant("BATCH.STATIC_NO_JOIN", profiles="batching=static (static)")
 def _static_no_join(eng: "SpecEngine", out: "SchedulerOutput", starved: bool) -> Iterator[str]:
     """Under static batching, requests are admitted only in a step that began with nothing running."""
-    if eng.config.batching == "static" and (out.new or out.resumed) and not starved:
-        yield f"{out.new + out.resumed} joined a running static batch"
+    if eng.config.batching == "static" and _admitted(out) and not starved:
+        yield f"{_admitted(out)} joined a running static batch"
 
 
-@invariant("BATCH.PREFILL_ONLY", profiles="batching=prefill-first (vllm-v0, tgi)")
+@invariant("BATCH.PREFILL_ONLY", profiles="batching=prefill-first (vllm-v0, tgi, sglang, vtc)")
 def _prefill_only(eng: "SpecEngine", out: "SchedulerOutput", starved: bool) -> Iterator[str]:
-    """Under prefill-first batching, a step that admits runs only the admitted requests."""
-    if eng.config.batching == "prefill-first" and (out.new or out.resumed):
-        others = [s.request_id for s in out.scheduled if s.request_id not in out.new + out.resumed]
+    """Under prefill-first batching, a step that admits from the waiting queue runs only the admitted requests."""
+    admitted = _admitted(out)
+    if eng.config.batching == "prefill-first" and admitted:
+        others = [s.request_id for s in out.scheduled if s.request_id not in admitted]
         if others:
             yield f"{others} ran in a prefill batch"
+
+
+@invariant("SWAP.BEFORE_WAITING", profiles="preemption_mode=swap (vllm-v0-swap)")
+def _swap_before_waiting(eng: "SpecEngine", out: "SchedulerOutput", starved: bool) -> Iterator[str]:
+    """Under swap, no waiting request is admitted while a request is swapped out, nothing is swapped
+    in during a step that preempted, and swapped requests come back in swap-in order."""
+    if eng.config.preemption_mode != "swap":
+        return
+    admitted = _admitted(out)
+    if admitted and eng.swapped:
+        yield f"{admitted} admitted while {[r.request_id for r in eng.swapped]} are swapped out"
+    if out.swapped_in and out.preempted:
+        yield f"{out.swapped_in} swapped in in a step that preempted {out.preempted}"
+    if out.swapped_in and eng.swapped and eng._swap_key(eng.swapped[0]) < eng._swap_key(eng.requests[out.swapped_in[-1]]):
+        yield f"{out.swapped_in[-1]} swapped in ahead of {eng.swapped[0].request_id}"
+
+
+@invariant("RETRACT.VICTIM_FEWEST_OUTPUTS", profiles="admission=estimate (sglang)")
+def _retract_victim(eng: "SpecEngine", out: "SchedulerOutput", starved: bool) -> Iterator[str]:
+    """Under admission=estimate every retracted request had, among the requests running when it was
+    retracted, the fewest output tokens, and the longest prompt among those with as few."""
+    if eng.config.admission != "estimate" or not out.preempted:
+        return
+    joined = set(out.new) | set(out.resumed)
+    live = [r for r in eng.running if r.request_id not in joined] + [eng.requests[r] for r in out.preempted]
+    for rid in out.preempted:  # outputs do not change during schedule(); victims leave in order
+        victim = eng.requests[rid]
+        best = min((len(r.output_token_ids), -len(r.prompt_token_ids)) for r in live)
+        if (len(victim.output_token_ids), -len(victim.prompt_token_ids)) != best:
+            yield f"{rid} retracted with {len(victim.output_token_ids)} outputs; another had key {best}"
+        live.remove(victim)
+
+
+@invariant("QUEUE.AGING_BOUNDED_OVERTAKING", profiles="aging_steps > 0 (priority-aging, spf-aging)")
+def _aging_bounded_overtaking(eng: "SpecEngine", out: "SchedulerOutput", starved: bool) -> Iterator[str]:
+    """Under aging (aging_steps = A > 0) a request x is admitted ahead of a waiting request r that
+    arrived before it only if x arrived fewer than (key_r - key_x) x A steps after r (key = priority,
+    or prompt length under spf).  So r can be overtaken only by requests arriving within
+    (key_r - key_min) x A steps after it: once r is that old, everything admitted before it arrived
+    before it, and r waits at most (key_r - key_min) x A steps plus the time to serve the requests
+    that arrived before it or in that window (no starvation)."""
+    cfg = eng.config
+    if not cfg.aging_steps or not (out.new or out.resumed):
+        return
+    key = eng.waiting.base_key
+    for rid in _admitted(out):
+        x = eng.requests[rid]
+        for r in eng.waiting:
+            if r.arrival_seq < x.arrival_seq and x.arrival_step - r.arrival_step >= (key(r) - key(x)) * cfg.aging_steps:
+                yield (f"{rid} (key {key(x)}, arrived step {x.arrival_step}) admitted ahead of {r.request_id} "
+                       f"(key {key(r)}, arrived step {r.arrival_step}) with aging_steps {cfg.aging_steps}")
 
 
 SCHEDULE_CHECKS = (
     "PREEMPT.NEVER_UNDER_FULL_RESERVATION",
     "BATCH.STATIC_NO_JOIN",
     "BATCH.PREFILL_ONLY",
+    "SWAP.BEFORE_WAITING",
+    "RETRACT.VICTIM_FEWEST_OUTPUTS",
+    "QUEUE.AGING_BOUNDED_OVERTAKING",
     "BUDGET.TOKENS_LE_BUDGET",
     "SAMPLE.AFTER_PREFILL",
     "CACHE.HIT_NOT_WHOLE",

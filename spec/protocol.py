@@ -10,7 +10,7 @@ looks the same to the harness:
   finished or was rejected);
 * ``step() -> StepRecord``: one scheduler iteration, model execution and
   output processing;
-* ``has_unfinished_requests()``: anything still waiting or running.
+* ``has_unfinished_requests()``: anything still waiting, running or swapped out.
 
 Step numbering (the contract every log writer follows): step ``k`` is the
 ``k``-th call of ``step()``.  Before it, the requests with ``arrival_step <= k``
@@ -25,13 +25,18 @@ Record contents (see :class:`spec.formats.StepRecord`):
 * ``new`` / ``resumed``: admitted from waiting for the first time / after a
   preemption; ``preempted`` in preemption order; ``finished`` ``[request, reason]``
   in freeing order; ``aborted``; ``rejected`` ``[request, reason]``
-  (``prompt_too_long`` or ``never_fits``).
+  (``prompt_too_long`` or ``never_fits``).  Under preemption_mode="swap":
+  ``swapped_out`` (the preempted requests that went to the CPU pool, a sub-list
+  of ``preempted``) and ``swapped_in`` (the resumed requests that came back from
+  it, a sub-list of ``resumed``); written only when non-empty.
 * memory level, at the end of the step: ``num_free_blocks`` (free queue
   length, evictable cached blocks included, null block excluded); ``blocks``:
   block count of every request holding at least one block; ``cache_hits``:
   prefix-hit tokens of every request admitted in this step (0 included);
   ``num_evicted``: cached blocks whose hash was dropped because the block was
-  popped for re-use.
+  popped for re-use; ``num_free_cpu_blocks`` (preemption_mode="swap" only): the
+  CPU swap pool's free blocks; ``new_token_ratio`` (admission="estimate" only):
+  SGLang's ratio after the step.
 * exact level: ``block_ids`` (same keys as ``blocks``, block-table order) and
   ``evicted`` (block ids, in pop order).
 """

@@ -47,6 +47,10 @@ class FCFSQueue:
         """
         self._q.appendleft(req)
 
+    def requeue_tail(self, req: Queued) -> None:
+        """A retracted request (admission="estimate") goes to the tail (rule RETRACT.TO_TAIL)."""
+        self._q.append(req)
+
     def peek(self) -> Queued:
         return self._q[0]
 
@@ -85,6 +89,7 @@ class PriorityQueue:
         heapq.heappush(self._heap, (*priority_key(req), req))
 
     prepend = add
+    requeue_tail = add
 
     def peek(self) -> Queued:
         return self._heap[0][-1]
@@ -97,5 +102,175 @@ class PriorityQueue:
         heapq.heapify(self._heap)
 
 
-def make_queue(policy: str) -> FCFSQueue | PriorityQueue:
+class AgingQueue:
+    """Priority or shortest-prompt-first order, optionally with aging: a plain list,
+    the next candidate found by a scan (keys change as requests age)."""
+
+    def __init__(self, policy: str, aging_steps: int, clock) -> None:
+        self._items: list = []
+        self.policy = policy
+        self.aging_steps = aging_steps
+        self.clock = clock  # () -> the engine's current step number
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator:
+        now = self.clock()
+        return iter(sorted(self._items, key=lambda r: self.key(r, now)))
+
+    def base_key(self, req) -> int:
+        """The key before aging: the priority number, or the prompt length under "spf"."""
+        return len(req.prompt_token_ids) if self.policy == "spf" else req.priority
+
+    @rule("QUEUE.AGING", knobs=("aging_steps", "policy"))
+    def key(self, req, now: int) -> tuple:
+        """With ``aging_steps`` = A > 0, a request's effective key is its base key minus
+        one for every A steps of age: ``base - (now - arrival_step) // A``, where age
+        counts every step since it arrived (waiting, running or preempted alike).
+
+        The smallest (effective key, arrival, id) is admitted first.  A request that
+        keeps losing to better keys ages until its key is the smallest there is, so it
+        can only be passed by a request that arrived fewer than ``(base_r - base_x) x A``
+        steps after it (invariant QUEUE.AGING_BOUNDED_OVERTAKING): no starvation.
+        A = 0 turns aging off (the plain priority or spf order).  Steps are the
+        engine's executed steps (``arrival_step`` is how many had run when it arrived;
+        idle gaps, when nothing waits, are not counted).
+        """
+        base = self.base_key(req)
+        if self.aging_steps:
+            base -= (now - req.arrival_step) // self.aging_steps
+        return (base, req.arrival_seq, req.request_id)
+
+    @rule("QUEUE.SPF", knobs=("policy",))
+    def add(self, req) -> None:
+        """Under "spf" (shortest prompt first) the next candidate is the waiting request
+        with the fewest prompt tokens, then the earliest arrival, then the id.
+
+        Short requests finish sooner, so serving them first lowers mean latency
+        (SGLang's shortest-prefill-first, vLLM's SJF scorer); without aging a stream of
+        short prompts starves a long one.  A preempted request goes back by the same key.
+        """
+        self._items.append(req)
+
+    prepend = add
+    requeue_tail = add
+
+    def peek(self):
+        now = self.clock()
+        return min(self._items, key=lambda r: self.key(r, now))
+
+    def pop(self):
+        req = self.peek()
+        self._items.remove(req)
+        return req
+
+    def remove(self, req) -> None:
+        self._items.remove(req)
+
+
+class VTCQueue:
+    """Per-tenant FCFS queues and virtual token counters (Sheng et al., OSDI'24)."""
+
+    def __init__(self, weights: dict[str, float]) -> None:
+        self.weights = weights
+        self.queues: dict[str, deque] = {}  # tenant -> its waiting requests, first seen first
+        self.counters: dict[str, float] = {}
+        self.last_left: str | None = None  # the tenant whose queue emptied last
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self) -> Iterator:
+        return (r for q in self.queues.values() for r in q)
+
+    def weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, 1.0)
+
+    def backlogged(self) -> list[str]:
+        return [t for t, q in self.queues.items() if q]
+
+    @rule("VTC.LIFT", knobs=("policy",), applies=bool)
+    def lift(self, tenant: str) -> bool:
+        """A tenant whose waiting queue is empty when its request arrives has its counter
+        lifted: to ``max(own, min counter of the other backlogged tenants)``; if no other
+        tenant is backlogged, to ``max(own, counter of the tenant that last left the
+        queue)`` (the paper's Algorithm 2; the artifact has only the first branch).
+
+        Without the lift a tenant that sent nothing for a while would bank credit and then
+        monopolise the engine; with it, the service gap between backlogged tenants stays
+        bounded.  A preempted request going back does not lift (its tenant never left).
+        """
+        others = [self.counters[t] for t in self.backlogged() if t != tenant]
+        old = self.counters[tenant]
+        if others:
+            self.counters[tenant] = max(old, min(others))
+        elif self.last_left is not None and self.last_left != tenant:
+            self.counters[tenant] = max(old, self.counters[self.last_left])
+        return self.counters[tenant] != old
+
+    @rule("VTC.QUEUE", knobs=("policy", "tenant_weights"))
+    def add(self, req) -> None:
+        """Under "vtc" each tenant has a FCFS queue; an arrival joins its tenant's tail
+        (first lifting the tenant's counter if its queue was empty, rule VTC.LIFT).
+        The next candidate is the head of the backlogged tenant with the smallest
+        counter (ties: the tenant seen first).  New tenants start at 0."""
+        tenant = req.source.tenant
+        if tenant not in self.queues:
+            self.queues[tenant] = deque()
+            self.counters[tenant] = 0.0
+        if not self.queues[tenant]:
+            self.lift(tenant)
+        self.queues[tenant].append(req)
+        self._n += 1
+
+    def prepend(self, req) -> None:
+        """A preempted request goes back to the front of its tenant's queue (no lift)."""
+        self.queues.setdefault(req.source.tenant, deque()).appendleft(req)
+        self.counters.setdefault(req.source.tenant, 0.0)
+        self._n += 1
+
+    def requeue_tail(self, req) -> None:
+        """A retracted request goes to the tail of its tenant's queue (no lift)."""
+        self.queues.setdefault(req.source.tenant, deque()).append(req)
+        self.counters.setdefault(req.source.tenant, 0.0)
+        self._n += 1
+
+    @rule("VTC.PICK", knobs=("policy",))
+    def pick(self) -> str:
+        """Admission serves the backlogged tenant with the smallest virtual counter
+        (ties: the tenant seen first), taking its oldest waiting request."""
+        best = None
+        for t, q in self.queues.items():
+            if q and (best is None or self.counters[t] < self.counters[best]):
+                best = t
+        return best
+
+    def peek(self):
+        return self.queues[self.pick()][0]
+
+    def pop(self):
+        tenant = self.pick()
+        return self._left(tenant, self.queues[tenant].popleft())
+
+    def remove(self, req) -> None:
+        self.queues[req.source.tenant].remove(req)
+        self._left(req.source.tenant, req)
+
+    def _left(self, tenant: str, req):
+        self._n -= 1
+        if not self.queues[tenant]:
+            self.last_left = tenant
+        return req
+
+    def charge(self, tenant: str, cost: float) -> None:
+        self.counters[tenant] = self.counters.get(tenant, 0.0) + cost / self.weight(tenant)
+
+
+def make_queue(policy: str, aging_steps: int = 0, clock=None, weights: dict[str, float] | None = None):
+    if policy == "vtc":
+        return VTCQueue(weights or {})
+    if policy == "spf" or (policy == "priority" and aging_steps):
+        return AgingQueue(policy, aging_steps, clock)
     return PriorityQueue() if policy == "priority" else FCFSQueue()

@@ -3,6 +3,7 @@
 State (Lamport style; the invariants over it are in :mod:`spec.invariants`)
     ``waiting``   queue of requests not holding blocks (new or preempted)
     ``running``   list in admission order; every member holds blocks
+    ``swapped``   preempted by swap (preemption_mode="swap"): hold CPU blocks, keep computed tokens
     ``kv``        the block pool and block tables (:mod:`spec.kv`)
     ``requests``  every request ever added, with its status
 
@@ -48,6 +49,7 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again, after a preemption
+    SWAPPED = "swapped"  # preempted by swap: its computed blocks are in the CPU pool
     FINISHED = "finished"
     ABORTED = "aborted"
     REJECTED = "rejected"
@@ -72,6 +74,7 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None
     block_hashes: list[bytes] = field(default_factory=list)
+    arrival_step: int = 0  # the engine's step count when it arrived (its age, for QUEUE.AGING)
 
     def __post_init__(self) -> None:
         self._extend_block_hashes()
@@ -128,6 +131,8 @@ class SchedulerOutput:
     new: list[str] = field(default_factory=list)
     resumed: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    swapped_out: list[str] = field(default_factory=list)  # the preempted ones that were swapped
+    swapped_in: list[str] = field(default_factory=list)  # the resumed ones that were swapped in
     cache_hits: dict[str, int] = field(default_factory=dict)
     reasons: list[dict] = field(default_factory=list)
 
@@ -151,7 +156,7 @@ def prompt_too_long(prompt_len: int, cfg: SchedulerConfig) -> bool:
     return prompt_len + 1 > cfg.max_model_len
 
 
-@rule("REJECT.NEVER_FITS", knobs=("num_blocks", "block_size", "reject_unservable"), applies=bool)
+@rule("REJECT.NEVER_FITS", knobs=("num_blocks", "block_size", "reject_unservable", "admission"), applies=bool)
 def never_fits(prompt_len: int, max_tokens: int, cfg: SchedulerConfig) -> bool:
     """A request whose longest sequence needs more blocks than the whole pool is rejected.
 
@@ -159,9 +164,21 @@ def never_fits(prompt_len: int, max_tokens: int, cfg: SchedulerConfig) -> bool:
     slots (the last sampled token is never computed).  Without this rule it would
     be admitted, grow, and preempt itself forever; vLLM avoids it only by refusing
     a ``max_model_len`` the cache cannot hold at start-up.
+
+    Under admission="estimate" a request is also rejected if it could fail
+    ESTIMATE.ADMIT in an empty engine: with ``o = min(max_tokens, max_model_len -
+    prompt) - 1`` outputs (the most it can have when retracted), ``prompt + o +
+    min(max_tokens - o, clip_max_new_tokens) + block_size >= usable_blocks x
+    block_size``.  SGLang would leave such a request waiting forever.
     """
     peak = min(prompt_len + max_tokens - 1, cfg.max_model_len - 1)
-    return cdiv(peak, cfg.block_size) > cfg.usable_blocks
+    if cdiv(peak, cfg.block_size) > cfg.usable_blocks:
+        return True
+    if cfg.admission == "estimate":
+        o = max(min(max_tokens, cfg.max_model_len - prompt_len) - 1, 0)
+        need = prompt_len + o + min(max_tokens - o, cfg.clip_max_new_tokens) + cfg.block_size
+        return need >= cfg.usable_blocks * cfg.block_size
+    return False
 
 
 @rule("BUDGET.LONG_PREFILL", knobs=("long_prefill_token_threshold",), applies=bool)
@@ -170,7 +187,8 @@ def long_prefill_cap(cfg: SchedulerConfig, num_eligible: int) -> int:
     ``long_prefill_token_threshold`` tokens in one step (0 = no cap).
 
     It keeps one long prompt from taking the whole budget; a request that is
-    alone is never capped.  ``eligible`` is counted before the step schedules.
+    alone is never capped.  ``eligible`` is counted before the step schedules
+    (running + waiting; swapped-out requests do not count).
     """
     return cfg.long_prefill_token_threshold if num_eligible > 1 else 0
 
@@ -196,8 +214,8 @@ def model_len_cap(n: int, num_computed_tokens: int, cfg: SchedulerConfig) -> int
 
 @rule("PREEMPT.VICTIM_NEWEST", knobs=("policy",))
 def fcfs_victim(running: list[Request]) -> Request:
-    """Under FCFS the victim is the last request in the running list: the most
-    recently admitted, which is the latest arrival.  It may be the request that
+    """Under FCFS (and "spf", "vtc") the victim is the last request in the running
+    list: the most recently admitted, which under FCFS is the latest arrival.  It may be the request that
     needs the memory itself."""
     return running[-1]
 
@@ -208,6 +226,95 @@ def priority_victim(running: list[Request]) -> Request:
     (priority, arrival): the least important, then the latest.  It may already be
     scheduled in this step; its tokens are then given back to the budget."""
     return max(running, key=lambda r: (r.priority, r.arrival_seq))
+
+
+@rule("RETRACT.VICTIM_FEWEST_OUTPUTS", knobs=("admission",))
+def fewest_outputs_victim(running: list[Request]) -> Request:
+    """Under admission="estimate" (SGLang) the request retracted when a step lacks
+    memory is the running one with the fewest output tokens; ties go to the longest
+    prompt, then to the latest in the running list.
+
+    SGLang sorts the batch by (outputs, -prompt) and pops the smallest: a request
+    that has produced little loses little work, and a long prompt frees the most
+    memory.  The victim may be the request that needs the memory; the running
+    phase then goes on with the next request (SGLang retracts before decoding and
+    the rest of the batch still decodes).
+    """
+    return min(reversed(running), key=lambda r: (len(r.output_token_ids), -len(r.prompt_token_ids)))
+
+
+@rule("ESTIMATE.REMAINING", knobs=("admission", "clip_max_new_tokens"))
+def remaining_output(req: Request, cfg: SchedulerConfig) -> int:
+    """A request's remaining output, as SGLang counts it: ``min(max(max_tokens -
+    outputs, 0), clip_max_new_tokens)`` tokens."""
+    return min(max(req.max_tokens - len(req.output_token_ids), 0), cfg.clip_max_new_tokens)
+
+
+@rule("ESTIMATE.ADMIT", knobs=("admission", "new_token_ratio_init"), applies=lambda ok: not ok)
+def estimate_admits(need: int, rem: float) -> bool:
+    """Under admission="estimate" a waiting request is admitted only if
+    ``extend + remaining_output + block_size < rem``, where ``extend`` is the tokens
+    it must compute (after its prefix hit) and
+
+        rem = free_blocks x block_size                       (free + evictable)
+              - sum over running r of  new_token_ratio x remaining_output(r)
+              - sum over requests admitted earlier in this step of
+                    (ceil_B(extend) + remaining_output + block_size)
+
+    with ``free_blocks`` counted when the step's admission round begins (after the
+    running phase's allocations under continuous batching; SGLang's PrefillAdder:
+    rem_total_tokens), the running sum taken in running-list order in floating point.
+    Running requests are expected to need only a fraction of their remaining output;
+    a request admitted now is charged its whole remaining output.  A request that
+    fails stops admission (head-of-line).
+    """
+    return need < rem
+
+
+@rule("ESTIMATE.RATIO", knobs=("new_token_ratio_init", "new_token_ratio_min_factor", "new_token_ratio_decay_steps",
+                               "retract_decode_steps"))
+def next_ratio(ratio: float, retracted: bool, remaining: list[Request], cfg: SchedulerConfig) -> float:
+    """The new_token_ratio after a step whose running phase served running requests:
+
+    * no retraction: ``max(ratio - decay, min)`` with ``min = init x min_factor``
+      and ``decay = (init - min) / decay_steps`` (SGLang: 0.7, 0.098, 600 steps);
+    * a retraction: ``min(1, (sum outputs + retract_decode_steps x n) / sum max_tokens)``
+      over the n requests still running — the ratio jumps back up so that admission
+      turns cautious again.
+
+    The update happens right after the running phase, so that step's admissions
+    (continuous batching) already use the new value.  A step that runs no running
+    phase (a prefill-first step that admitted) leaves the ratio alone.
+    It starts at ``init`` and is reset to ``init`` whenever the engine becomes empty
+    — a step ends, or an abort leaves, with nothing running, waiting or swapped
+    (SGLang resets it when the scheduler goes idle).  As the
+    engine keeps decoding without running out, the ratio falls and admission grows
+    bolder: outputs usually stop well before max_tokens.
+    """
+    if not retracted:
+        return max(ratio - cfg.new_token_ratio_decay, cfg.new_token_ratio_min)
+    if not remaining:
+        return ratio
+    outputs = sum(len(r.output_token_ids) for r in remaining)
+    return min(1.0, (outputs + cfg.retract_decode_steps * len(remaining)) / sum(r.max_tokens for r in remaining))
+
+
+@rule("VTC.CHARGE", knobs=("vtc_input_price", "vtc_output_price", "tenant_weights"))
+def vtc_cost(req: Request, start: int, n: int, cfg: SchedulerConfig) -> float:
+    """Under "vtc" every scheduled chunk charges its tenant's counter, at the moment it
+    is scheduled: ``(input_price x prompt tokens computed + output_price x output
+    tokens computed) / weight``, positions below the prompt length being prompt tokens.
+
+    So a decode costs ``output_price``, a prefill ``input_price`` per token, and
+    recomputing after a preemption is charged again (it is work done again).  The
+    running phase's chunks are charged together when that phase ends (so a victim's
+    given-back tokens are never charged), in running-list order; each admission or
+    swap-in is charged as it is made, so the next pick already sees it.  The
+    counter measures service received; admission always serves the tenant with the
+    least (rule VTC.PICK), which is what bounds the service gap between tenants.
+    """
+    prompt = max(0, min(start + n, len(req.prompt_token_ids)) - start)
+    return cfg.vtc_input_price * prompt + cfg.vtc_output_price * (n - prompt)
 
 
 @rule("STOP.EOS", applies=bool)
@@ -316,6 +423,62 @@ PREEMPT_RECOMPUTE = declare(
     __name__,
     knobs=("preemption_mode",),
 )
+SWAP_OUT = declare(
+    "SWAP.OUT",
+    """Under preemption_mode="swap", a victim's computed KV is copied to the CPU pool:
+    it takes ``ceil(computed / block_size)`` CPU blocks (computed as of the start of
+    the step: tokens it was scheduled in this step are given back), frees all its GPU blocks
+    (cached ones stay hit-able in the free queue), keeps its computed tokens and
+    joins the swapped queue.  Swapping costs a copy over PCIe instead of recomputing
+    the whole sequence (vLLM V0 _preempt_by_swap).""",
+    __name__,
+    knobs=("preemption_mode", "num_cpu_blocks"),
+)
+SWAP_FALLBACK = declare(
+    "SWAP.FALLBACK_RECOMPUTE",
+    """When the CPU pool has fewer free blocks than a victim needs, the victim is
+    preempted by recompute instead (rule PREEMPT.RECOMPUTE).  vLLM V0 raises
+    "Aborted due to the lack of CPU swap space" here; the spec cannot crash, and
+    waiting is no option: the running request needs GPU memory now, and CPU blocks
+    are freed only by swap-ins, which need GPU memory too.  Recompute is what V0
+    itself does for single-sequence groups by default.""",
+    __name__,
+    knobs=("preemption_mode", "num_cpu_blocks"),
+)
+SWAP_IN = declare(
+    "SWAP.IN",
+    """After the running phase of a step that preempted nobody, swapped requests are
+    swapped back in, in arrival order (by (priority, arrival, id) under "priority"),
+    before any waiting request is admitted: each needs fresh GPU blocks for its
+    computed tokens plus this step's chunk (chunk = BUDGET.TOKENS of what it still
+    lacks, usually 1 decode token), under the same gates as an admission (its whole
+    sequence when scheduler_reserve_full_isl; the watermark when others run; no
+    prefix-cache lookup), frees its CPU blocks, rejoins the running list's tail
+    (listed in both ``resumed`` and ``swapped_in``) and computes the chunk in the same
+    step.  The first that does not fit, or meets a spent budget or max_num_seqs,
+    stops the swap-ins (vLLM V0 _schedule_swapped: swapped before waiting, FCFS).
+    Under prefill-first batching a step with swapped requests is never a prefill
+    step: the running requests decode, then the swap-ins follow.""",
+    __name__,
+    knobs=("preemption_mode",),
+)
+SWAP_BEFORE_WAITING = declare(
+    "SWAP.BEFORE_WAITING",
+    """No waiting request is admitted while any request is swapped out: swapped
+    requests already hold work and come first (vLLM V0 schedules prefills only when
+    the swapped queue is empty).""",
+    __name__,
+    knobs=("preemption_mode",),
+)
+RETRACT_TO_TAIL = declare(
+    "RETRACT.TO_TAIL",
+    """Under admission="estimate" a retracted request is preempted by recompute (its
+    prefix stays cached) and joins the *tail* of the waiting queue, as SGLang's
+    _add_request_to_queue does (FCFS does not re-sort it); the retraction resets
+    new_token_ratio (rule ESTIMATE.RATIO).""",
+    __name__,
+    knobs=("admission",),
+)
 ADMIT_AFTER_PREEMPT = declare(
     "ADMIT.NONE_AFTER_PREEMPT",
     """No waiting request is admitted in a step that preempted: memory was just
@@ -400,13 +563,22 @@ class SpecEngine:
         self.record_reasons = record_reasons
         self.prompt_cache = prompt_cache
         self.kv = KVCacheManager(config)
-        self.waiting = make_queue(config.policy)
+        self.clock = 0  # steps executed so far: the number of the step being scheduled
+        self.waiting = make_queue(config.policy, config.aging_steps, self._now, config.weights())
+        self.vtc = config.policy == "vtc"
         self.running: list[Request] = []
+        self.swapped: list[Request] = []  # preempted by swap, in swap-in order (rule SWAP.IN)
+        self.cpu_free = config.num_cpu_blocks
+        self.cpu_blocks: dict[str, int] = {}  # swapped request -> CPU blocks it holds
+        self.new_token_ratio = config.new_token_ratio_init  # admission="estimate" (rule ESTIMATE.RATIO)
         self.requests: dict[str, Request] = {}
         self.rejected: dict[str, str] = {}
         self._fed: dict[str, int] | None = None
         self._last: SchedulerOutput | None = None
         self._begin_step()
+
+    def _now(self) -> int:
+        return self.clock
 
     @classmethod
     def from_trace(cls, trace: Trace, **kw) -> "SpecEngine":
@@ -445,10 +617,14 @@ class SpecEngine:
             source=tr,
             block_size=cfg.block_size,
             block_hashes=list(hashes),
+            arrival_step=self.clock,
         )
         self.requests[tr.id] = req
         self.waiting.add(req)
-        self._reasons.append(reason(ARRIVE, tr.id, f"queued ({cfg.policy}), {len(self.waiting)} waiting"))
+        what = f"queued ({cfg.policy}), {len(self.waiting)} waiting"
+        if self.vtc:
+            what += f"; tenant {tr.tenant!r} counter {self.waiting.counters[tr.tenant]:g}"
+        self._reasons.append(reason(ARRIVE, tr.id, what))
 
     def _prompt(self, tr: TraceRequest) -> tuple[list[int], list[bytes]]:
         """The prompt's token ids and the hashes of its full blocks (none yet without a cache:
@@ -466,18 +642,23 @@ class SpecEngine:
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)
-        if req is None or req.status not in (Status.WAITING, Status.PREEMPTED, Status.RUNNING):
+        if req is None or req.status not in (Status.WAITING, Status.PREEMPTED, Status.RUNNING, Status.SWAPPED):
             return
         if req.status == Status.RUNNING:
             self.running.remove(req)
+        elif req.status == Status.SWAPPED:
+            self.swapped.remove(req)
+            self.cpu_free += self.cpu_blocks.pop(request_id)
         else:
             self.waiting.remove(req)
         self._finish(req, Status.ABORTED, None)
+        if self.config.admission == "estimate" and not self.has_unfinished_requests():
+            self.new_token_ratio = self.config.new_token_ratio_init  # idle: rule ESTIMATE.RATIO
         self._aborted.append(request_id)
         self._reasons.append(reason(ABORT, request_id, "aborted by the client"))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or len(self.waiting) > 0 or bool(self.swapped)
 
     def feed(self, sampled: dict[str, int]) -> None:
         """Impose the tokens the next step samples (differential replay: the engine's)."""
@@ -496,20 +677,32 @@ class SpecEngine:
     # -- schedule --------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Decide this step's batch: running requests first, then admissions."""
+        """Decide this step's batch: running requests first, then swap-ins, then admissions
+        (under prefill-first: admissions first, and the rest only if nobody was admitted)."""
         out = SchedulerOutput()
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         cap = long_prefill_cap(cfg, len(self.running) + len(self.waiting))
-        starved = not self.running and len(self.waiting) > 0
+        starved = not self.running and (len(self.waiting) > 0 or bool(self.swapped))
         start = {r.request_id: r.num_computed_tokens for r in self.running}
         scheduled: dict[str, int] = {}
         if cfg.batching == "prefill-first":
-            budget = self._schedule_waiting(out, scheduled, start, budget, cap)
+            if self.swapped:
+                self._swapped_first(out)
+            else:
+                budget = self._schedule_waiting(out, scheduled, start, budget, cap)
             if out.new or out.resumed:
                 prefill_batch_first(self.running, out)
                 return self._finish_schedule(out, scheduled, start, starved)
+        ran = bool(self.running)
         budget = self._schedule_running(out, scheduled, budget, cap)
+        if self.vtc:
+            for rid, n in scheduled.items():
+                self._charge(self.requests[rid], start[rid], n)
+        if cfg.admission == "estimate" and ran:
+            self.new_token_ratio = next_ratio(self.new_token_ratio, bool(out.preempted), self.running, cfg)
+        if self.swapped and not out.preempted:
+            budget = self._schedule_swapped(out, scheduled, start, budget, cap)
         if cfg.batching == "prefill-first":
             pass  # admissions were tried first and found nothing
         elif cfg.batching == "static" and not starved:
@@ -518,9 +711,20 @@ class SpecEngine:
             if len(self.waiting):
                 head = self.waiting.peek().request_id
                 out.reasons.append(reason(ADMIT_AFTER_PREEMPT, head, f"{len(out.preempted)} preempted; no admissions"))
+        elif self.swapped:
+            self._swapped_first(out)
         else:
             budget = self._schedule_waiting(out, scheduled, start, budget, cap)
         return self._finish_schedule(out, scheduled, start, starved)
+
+    def _swapped_first(self, out: SchedulerOutput) -> None:
+        if len(self.waiting):
+            out.reasons.append(reason(SWAP_BEFORE_WAITING, self.waiting.peek().request_id,
+                                      f"{len(self.swapped)} swapped out; no admissions"))
+
+    def _charge(self, req: Request, start: int, n: int) -> None:
+        """VTC: charge the chunk ``start .. start+n-1`` to the request's tenant (rule VTC.CHARGE)."""
+        self.waiting.charge(req.source.tenant, vtc_cost(req, start, n, self.config))
 
     def _finish_schedule(self, out: SchedulerOutput, scheduled: dict[str, int], start: dict[str, int],
                          starved: bool) -> SchedulerOutput:
@@ -551,8 +755,12 @@ class SpecEngine:
                 continue
             alloc = self.kv.allocate_slots(req, n)
             while isinstance(alloc, AllocFailure):
-                victim = priority_victim(self.running) if cfg.policy == "priority" else fcfs_victim(self.running)
-                rule_id = "PREEMPT.VICTIM_LOWEST_PRIORITY" if cfg.policy == "priority" else "PREEMPT.VICTIM_NEWEST"
+                if cfg.admission == "estimate":
+                    victim, rule_id = fewest_outputs_victim(self.running), "RETRACT.VICTIM_FEWEST_OUTPUTS"
+                elif cfg.policy == "priority":
+                    victim, rule_id = priority_victim(self.running), "PREEMPT.VICTIM_LOWEST_PRIORITY"
+                else:
+                    victim, rule_id = fcfs_victim(self.running), "PREEMPT.VICTIM_NEWEST"
                 index = self.running.index(victim)
                 self.running.pop(index)
                 if index < i:
@@ -565,10 +773,10 @@ class SpecEngine:
                     break
                 alloc = self.kv.allocate_slots(req, n)
             if isinstance(alloc, AllocFailure):
+                go_on = cfg.admission == "estimate" or (cfg.policy == "priority" and cfg.priority_self_preempt == "continue")
                 out.reasons.append(reason(RUN_NO_BLOCKS, req.request_id, "preempted itself; " + (
-                    "continuing with the next running request" if cfg.policy == "priority" and cfg.priority_self_preempt == "continue"
-                    else "running phase ends")))
-                if cfg.policy == "priority" and cfg.priority_self_preempt == "continue":
+                    "continuing with the next running request" if go_on else "running phase ends")))
+                if go_on:
                     continue
                 break
             scheduled[req.request_id] = n
@@ -588,6 +796,7 @@ class SpecEngine:
     ) -> int:
         """Phase 2: admit from the head of the waiting queue while everything fits."""
         cfg = self.config
+        rem = None  # admission="estimate": SGLang's rem_total_tokens, fixed when the round begins
         while len(self.waiting):
             req = self.waiting.peek()
             rid = req.request_id
@@ -602,6 +811,17 @@ class SpecEngine:
             if not cfg.enable_chunked_prefill and (cap if 0 < cap < remaining else remaining) > budget:
                 out.reasons.append(reason(ADMIT_NO_CHUNKING, rid, f"needs {remaining} tokens at once, budget {budget}"))
                 break
+            if cfg.admission == "estimate":
+                bs = cfg.block_size
+                if rem is None:
+                    ratio = self.new_token_ratio
+                    rem = self.kv.pool.num_free_blocks * bs - sum(ratio * remaining_output(r, cfg) for r in self.running)
+                need = remaining + remaining_output(req, cfg) + bs
+                if not estimate_admits(need, rem):
+                    out.reasons.append(reason("ESTIMATE.ADMIT", rid, f"needs {need} tokens, {rem:.3f} estimated free "
+                                                                     f"(new_token_ratio {self.new_token_ratio:.6f})"))
+                    break
+                rem -= cdiv(remaining, bs) * bs + remaining_output(req, cfg) + bs
             n = chunk_size(remaining, cap, budget)
             watermark = cfg.watermark_blocks if self.running else 0
             reserve = reservation(req, cfg)
@@ -620,8 +840,45 @@ class SpecEngine:
             scheduled[rid] = n
             out.cache_hits[rid] = hit
             budget -= n
+            if self.vtc:
+                self._charge(req, hit, n)
             what = f"{n} tokens" + (f" after a prefix hit of {hit}" if hit else "")
             out.reasons.append(reason(ADMIT_RESUMED if resumed else ADMIT_NEW, rid, what))
+        return budget
+
+    def _schedule_swapped(
+        self, out: SchedulerOutput, scheduled: dict[str, int], start: dict[str, int], budget: int, cap: int
+    ) -> int:
+        """Swap-ins (rule SWAP.IN): resume swapped requests in order while they fit."""
+        cfg = self.config
+        while self.swapped:
+            req = self.swapped[0]
+            rid = req.request_id
+            if budget <= 0:
+                out.reasons.append(reason(BUDGET_EXHAUSTED, rid, "not swapped in: token budget spent"))
+                break
+            if len(self.running) >= cfg.max_num_seqs:
+                out.reasons.append(reason(ADMIT_MAX_SEQS, rid, f"{len(self.running)} running = max_num_seqs"))
+                break
+            n = chunk_size(req.num_tokens - req.num_computed_tokens, cap, budget)
+            n = model_len_cap(n, req.num_computed_tokens, cfg)
+            watermark = cfg.watermark_blocks if self.running else 0
+            alloc = self.kv.allocate_slots(req, n, (), 0, cfg.scheduler_reserve_full_isl, watermark)
+            if isinstance(alloc, AllocFailure):
+                out.reasons.append(reason(alloc.rule, rid, "not swapped in: " + alloc.text))
+                break
+            self.swapped.pop(0)
+            self.cpu_free += self.cpu_blocks.pop(rid)
+            self.running.append(req)
+            req.status = Status.RUNNING
+            start[rid] = req.num_computed_tokens
+            scheduled[rid] = n
+            budget -= n
+            out.resumed.append(rid)
+            out.swapped_in.append(rid)
+            if self.vtc:
+                self._charge(req, req.num_computed_tokens, n)
+            out.reasons.append(reason(SWAP_IN, rid, f"{n} tokens; {self.cpu_free} CPU blocks free"))
         return budget
 
     def _explain_queue(self, out: SchedulerOutput) -> None:
@@ -633,13 +890,36 @@ class SpecEngine:
             out.reasons.append(reason(WAIT_QUEUED, req.request_id, f"position {pos} behind {head}"))
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        cfg = self.config
+        req.num_preemptions += 1
+        out.preempted.append(req.request_id)
+        if cfg.preemption_mode == "swap":
+            need = cdiv(req.num_computed_tokens, cfg.block_size)
+            if need <= self.cpu_free:
+                self.kv.free(req.request_id)
+                self.cpu_free -= need
+                self.cpu_blocks[req.request_id] = need
+                req.status = Status.SWAPPED
+                self.swapped.append(req)
+                self.swapped.sort(key=self._swap_key)
+                out.swapped_out.append(req.request_id)
+                out.reasons.append(reason(SWAP_OUT, req.request_id, f"{need} CPU blocks, {self.cpu_free} left"))
+                return
+            out.reasons.append(reason(SWAP_FALLBACK, req.request_id, f"needs {need} CPU blocks, {self.cpu_free} free"))
         fired(PREEMPT_RECOMPUTE)
         self.kv.free(req.request_id)
         req.status = Status.PREEMPTED
         req.num_computed_tokens = 0
-        req.num_preemptions += 1
-        self.waiting.prepend(req)
-        out.preempted.append(req.request_id)
+        if cfg.admission == "estimate":
+            fired(RETRACT_TO_TAIL)
+            self.waiting.requeue_tail(req)
+        else:
+            self.waiting.prepend(req)
+
+    def _swap_key(self, req: Request) -> tuple:
+        if self.config.policy == "priority":
+            return (req.priority, req.arrival_seq, req.request_id)
+        return (req.arrival_seq,)
 
     # -- output ----------------------------------------------------------
 
@@ -667,6 +947,9 @@ class SpecEngine:
                 out.reasons.append(reason(rule_id, req.request_id, f"finished: {why} after {len(req.output_token_ids)} tokens"))
         if finished:
             self.running = [r for r in self.running if r.status == Status.RUNNING]
+        self.clock += 1
+        if self.config.admission == "estimate" and not self.has_unfinished_requests():
+            self.new_token_ratio = self.config.new_token_ratio_init  # idle: rule ESTIMATE.RATIO
         record = self._record(out, finished, took)
         if self.check_invariants:
             invariants.check_state(self)
@@ -693,6 +976,8 @@ class SpecEngine:
             sampled=sampled,
             reasons=self._reasons + out.reasons if self.record_reasons else None,
         )
+        if out.swapped_out or out.swapped_in:
+            record.swapped_out, record.swapped_in = out.swapped_out, out.swapped_in
         if self.record_level == "decisions":
             return record
         tables = self.kv.req_blocks
@@ -701,6 +986,10 @@ class SpecEngine:
         record.blocks = {rid: len(t) for rid, t in held}
         record.cache_hits = out.cache_hits
         record.num_evicted = len(evicted)
+        if self.config.preemption_mode == "swap":
+            record.num_free_cpu_blocks = self.cpu_free
+        if self.config.admission == "estimate":
+            record.new_token_ratio = self.new_token_ratio
         if self.record_level == "exact":
             record.block_ids = {rid: [b.block_id for b in t] for rid, t in held}
             record.evicted = evicted

@@ -5,7 +5,7 @@ import itertools
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from invariants.strategies import traces
+from invariants.strategies import for_profile, traces
 from scenario_helpers import R, rules_for, scheduled, steps
 from spec.config import PROFILES
 from spec.formats import Trace, TraceRequest
@@ -85,13 +85,7 @@ def test_full_reservation_never_preempts_exhaustively():
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(traces(), st.sampled_from(sorted(PROFILES)))
 def test_every_profile_keeps_every_invariant(trace, profile):
-    cfg = {**trace.config, "profile": profile}
-    base = PROFILES[profile].config
-    for knob in ("batching", "kv_reservation"):
-        cfg[knob] = getattr(base, knob)
-    if not cfg["enable_chunked_prefill"] or not base.enable_chunked_prefill:
-        cfg["enable_chunked_prefill"] = False
-        cfg["max_num_batched_tokens"] = max(cfg["max_num_batched_tokens"], cfg["max_model_len"])
+    cfg = for_profile(trace.config, profile)
     records = run(Trace(config=cfg, requests=trace.requests, vocab_size=trace.vocab_size), check_invariants=True)
     ended = {rid for r in records for rid, _ in r.finished} | {rid for r in records for rid in r.aborted} \
         | {rid for r in records for rid, _ in r.rejected}
