@@ -21,6 +21,8 @@ the CLI, the conformance runner and users' adapters share one factory:
 """
 from __future__ import annotations
 
+import sys
+
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -57,8 +59,32 @@ def register_engine(name: str, factory: EngineFactory, description: str = "") ->
     ENGINES[name] = EngineEntry(name, factory, description)
 
 
+def _import_factory(spec: str) -> EngineFactory:
+    """``module:attr`` -> the callable ``attr`` of ``module`` (imported from the working directory too,
+    as uvicorn and gunicorn do), so ``--engine mypkg.engine:MyEngine`` needs no registration code."""
+    import importlib
+    import os
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr.isidentifier():
+        raise EngineUnavailable(f"engine {spec!r}: expected MODULE:FACTORY, e.g. examples.toy_engine:ToyEngine")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise EngineUnavailable(f"engine {spec!r}: cannot import {module_name!r}: {exc}") from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise EngineUnavailable(f"engine {spec!r}: {module_name} has no callable {attr!r}")
+    return factory
+
+
 def make_engine(name: str, trace: Trace) -> Engine:
-    """A fresh engine configured from ``trace``'s header."""
+    """A fresh engine configured from ``trace``'s header.  ``name`` is a registered engine
+    or ``MODULE:FACTORY``, a callable ``factory(trace) -> Engine`` importable from here."""
+    if name not in ENGINES and ":" in name:
+        register_engine(name, _import_factory(name), f"{name} (imported)")
     if name not in ENGINES:
         try:  # the engines other packages provide register themselves there
             import fuzz.engines  # noqa: F401

@@ -114,3 +114,15 @@ def test_the_guides_script_runs_as_documented(tmp_path):
         trace = load_trace(path)
         assert replay(trace, fixed.ToyEngine(trace), level="exact").agreed
         assert not replay(trace, buggy.ToyEngine(trace), level="exact").agreed
+
+
+def test_an_engine_named_module_colon_factory_needs_no_registration():
+    """`--engine examples.toy_engine:ToyEngine` imports the factory from the working directory."""
+    env = dict(os.environ, TOY_BUG="")
+    ok = subprocess.run([sys.executable, "-m", "batchspec.cli", "replay", "docs/examples/hol-blocking.jsonl",
+                         "--engine", "examples.toy_engine:ToyEngine"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "agree" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "batchspec.cli", "replay", "docs/examples/hol-blocking.jsonl",
+                          "--engine", "examples.toy_engine:NoSuchFactory"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert bad.returncode == 2 and "NoSuchFactory" in bad.stdout + bad.stderr
