@@ -142,14 +142,40 @@ def cmd_prove(args) -> int:
                           f"every invariant held ({time.perf_counter() - t0:.1f} s)")
         return 0
     try:
-        from invariants.z3_proofs import render_table, run_proofs
+        from invariants.z3_proofs import PROVED, proof_names, render_table, run_proofs
     except ImportError as e:
         err_console.print(f"[red]error:[/] the Z3 proofs are not available here ({e}); "
                           "`batchspec prove --hypothesis` runs the stateful campaign")
         return BAD_INPUT
-    rows = run_proofs(bound="long" if args.long else "ci")
-    console.print(render_table(rows))
-    return 0 if all(r.result == "proved" for r in rows) else 1
+    import os
+    import tempfile
+
+    bound = "long" if args.long else args.bound
+    if args.list:
+        for name in proof_names(bound):
+            console.print(name)
+        return 0
+    trace_dir = Path(args.trace_dir or Path(tempfile.gettempdir()) / "batchspec-prove")
+    jobs = args.jobs or min(4, os.cpu_count() or 1)
+
+    def progress(row) -> None:
+        err_console.print(f"[dim]  {row.name}: {row.result} ({row.seconds:.1f} s)[/]", highlight=False)
+
+    t0 = time.perf_counter()
+    try:
+        rows = run_proofs(bound=bound, only=args.only or None, trace_dir=str(trace_dir), jobs=jobs, progress=progress)
+    except KeyError as e:
+        err_console.print(f"[red]error:[/] {e.args[0]}")
+        return BAD_INPUT
+    # piped output (CI logs) gets a readable width rather than the 80-column default
+    out = console if console.is_terminal else Console(file=console.file, width=max(console.width, 160))
+    out.print(render_table(rows, title=f"batchspec prove --bound {bound}"))
+    written = [r.details["path"] for r in rows if r.details.get("path")]
+    if written:
+        out.print("BMC witnesses (replay with `batchspec run TRACE`): " + ", ".join(written), highlight=False,
+                  soft_wrap=True)
+    out.print(f"{time.perf_counter() - t0:.0f} s wall clock, {jobs} worker(s)")
+    return 0 if all(r.result == PROVED for r in rows) else 1
 
 
 def cmd_generate(args) -> int:
@@ -191,15 +217,22 @@ def cmd_fuzz(args) -> int:
         return BAD_INPUT
     if args.traces is None and args.seconds is None:
         args.traces = 200
+    from spec.config import PROFILES
+
+    if args.profile is not None and args.profile not in PROFILES:
+        err_console.print(f"error: unknown --profile {args.profile!r} (known: {', '.join(sorted(PROFILES))})")
+        return BAD_INPUT
     cfg = CampaignConfig(seed=args.seed, engine=args.engine, level=args.level, traces=args.traces, seconds=args.seconds,
                          workers=args.workers or os.cpu_count() or 1, shard=(i, n), corpus=args.corpus,
-                         timeout=args.timeout, shrink_tries=args.shrink_tries, resume=args.resume, ray=args.ray)
+                         timeout=args.timeout, shrink_tries=args.shrink_tries, resume=args.resume, ray=args.ray,
+                         profile=args.profile)
     total = args.traces
     with Progress(TextColumn("[bold]fuzz[/] {task.fields[engine]}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[rate]:.1f} traces/s · findings {task.fields[findings]} · "
                              "rules {task.fields[rules]}/{task.fields[all_rules]}"),
                   TimeElapsedColumn(), console=console, transient=False) as bar:
-        task = bar.add_task("fuzz", total=total, engine=f"spec vs {args.engine} ({args.level})", rate=0.0,
+        task = bar.add_task("fuzz", total=total, engine=f"spec vs {args.engine} ({args.level}"
+                            + (f", {args.profile})" if args.profile else ")"), rate=0.0,
                             findings=0, rules=0, all_rules=len(RULES))
 
         def on_round(state, outcomes):
@@ -211,7 +244,8 @@ def cmd_fuzz(args) -> int:
         except KeyboardInterrupt:
             console.print(f"interrupted: state saved; continue with the same command plus --resume")
             return 130
-    table = Table(title=f"campaign seed {cfg.seed}, shard {i}/{n}: spec vs {cfg.engine} at the {cfg.level} level")
+    table = Table(title=f"campaign seed {cfg.seed}, shard {i}/{n}: spec vs {cfg.engine} at the {cfg.level} level"
+                  + (f", profile {cfg.profile}" if cfg.profile else ""))
     table.add_column("traces", justify="right")
     table.add_column("steps", justify="right")
     table.add_column("traces/s", justify="right")
@@ -275,6 +309,33 @@ def cmd_profiles(args) -> int:
     return 0
 
 
+def cmd_docs(args) -> int:
+    from batchspec.docs import DocsError, ExampleDrift, differences, write
+
+    try:
+        if args.check:
+            diff = differences(args.out)
+            if diff:
+                err_console.print(f"{len(diff)} generated file(s) under {args.out}/ differ from what the spec generates "
+                                  "(run `batchspec docs` and commit the result):", highlight=False)
+                for rel in diff:
+                    err_console.print(f"  {args.out}/{rel}", highlight=False)
+                return 1
+            console.print(f"[green]ok[/]: {args.out}/ matches what the spec generates", highlight=False)
+            return 0
+        changed, removed = write(args.out)
+    except (ExampleDrift, DocsError) as e:
+        err_console.print(f"[red]error:[/] {e}", highlight=False)
+        return 1
+    for rel in changed:
+        console.print(f"wrote {args.out}/{rel}", highlight=False)
+    for rel in removed:
+        console.print(f"removed stale {args.out}/{rel}", highlight=False)
+    if not changed and not removed:
+        console.print(f"{args.out}/ is up to date", highlight=False)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="batchspec", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -335,13 +396,22 @@ def build_parser() -> argparse.ArgumentParser:
     fz.add_argument("--shrink-tries", type=int, default=400, help="replays spent shrinking each finding")
     fz.add_argument("--resume", action="store_true", help="continue the campaign saved in the corpus directory")
     fz.add_argument("--ray", metavar="ADDRESS", help="run the traces on an existing Ray cluster (extra `ray`)")
+    fz.add_argument("--profile", help="fix this profile's knobs in every random trace (naive, static, vllm-v0, orca, tgi, ...)")
     fz.set_defaults(fn=cmd_fuzz)
 
     inv = sub.add_parser("invariants", help="list the invariant catalogue")
     inv.set_defaults(fn=cmd_invariants)
 
     pv = sub.add_parser("prove", help="Z3 proofs (a table of property, bound, result, time), or a Hypothesis campaign")
-    pv.add_argument("--long", action="store_true", help="larger bounds (minutes, not seconds)")
+    pv.add_argument("--bound", choices=["ci", "long"], default="ci",
+                    help="proof sizes: ci (default, a few minutes) or long (larger bounds, much slower)")
+    pv.add_argument("--long", action="store_true", help="same as --bound long")
+    pv.add_argument("--only", action="append", metavar="NAME",
+                    help="run only the proofs with this name or prefix (repeatable: --only mem --only tv.admission)")
+    pv.add_argument("--list", action="store_true", help="list the proof names and exit")
+    pv.add_argument("--trace-dir", metavar="DIR",
+                    help="where bounded model checking writes its witness traces (default: $TMPDIR/batchspec-prove)")
+    pv.add_argument("--jobs", type=int, default=0, help="worker processes (default: min(4, CPUs))")
     pv.add_argument("--hypothesis", action="store_true", help="run the Hypothesis stateful machine instead")
     pv.add_argument("--examples", type=int, default=500, help="examples per profile with --hypothesis")
     pv.set_defaults(fn=cmd_prove)
@@ -360,6 +430,11 @@ def build_parser() -> argparse.ArgumentParser:
     from batchspec import sim_cli
 
     sim_cli.add_parsers(sub)  # import, simulate, compare, sweep, calibrate
+
+    dc = sub.add_parser("docs", help="generate the reference semantics docs from the spec (semantics, profiles, examples)")
+    dc.add_argument("--out", default="docs", help="docs directory (default: docs)")
+    dc.add_argument("--check", action="store_true", help="write nothing; exit 1 listing the files that differ")
+    dc.set_defaults(fn=cmd_docs)
 
     pr = sub.add_parser("profiles", help="list the profiles and every knob value they fix")
     pr.add_argument("profile", nargs="?")

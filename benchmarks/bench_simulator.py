@@ -5,7 +5,7 @@ these machines are shared, so CPU time is the steadier figure):
 
 1. **side by side**, on the first ``--requests`` requests of the sample, each in
    its own process, interleaved ``--repeats`` times:
-   ``before`` — the spec as committed at ``git HEAD`` (``git show``, read only),
+   ``before`` — the spec as committed at ``--before`` (default ``HEAD``) (``git show``, read only),
    default ``SpecEngine`` (reasons, exact-level records);
    ``after, defaults`` — the working tree, same engine settings;
    ``after, fast`` — the working tree with the simulator's settings
@@ -67,14 +67,14 @@ print(json.dumps({"cpu": cpu, "wall": wall, "steps": result.steps, "request_step
 """ % (COST, str(TRACE))
 
 
-def head_spec() -> str:
-    """A copy of spec/ as committed at HEAD, plus the new simulator modules it lacks."""
+def head_spec(rev: str) -> str:
+    """A copy of spec/ as committed at ``rev``, plus the new simulator modules it lacks."""
     out = Path(tempfile.mkdtemp(prefix="bench-head-"))
     (out / "spec" / "schemas").mkdir(parents=True)
-    names = subprocess.run(["git", "ls-tree", "-r", "--name-only", "HEAD", "spec"], cwd=ROOT, capture_output=True,
+    names = subprocess.run(["git", "ls-tree", "-r", "--name-only", rev, "spec"], cwd=ROOT, capture_output=True,
                            text=True, check=True).stdout.split()
     for name in names:
-        data = subprocess.run(["git", "show", f"HEAD:{name}"], cwd=ROOT, capture_output=True, check=True).stdout
+        data = subprocess.run(["git", "show", f"{rev}:{name}"], cwd=ROOT, capture_output=True, check=True).stdout
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_bytes(data)
     for new in ("simulate.py", "costmodel.py", "metrics.py"):  # the driver is the same for both sides
@@ -91,16 +91,19 @@ def child(spec_root: str, mode: str, n: int, warm: bool = False) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def side_by_side(n: int, repeats: int) -> None:
-    head = head_spec()
-    rows: dict[str, list[dict]] = {"before (HEAD), defaults": [], "after, defaults": [], "after, fast": []}
+BEFORE = "before, defaults"
+
+
+def side_by_side(n: int, repeats: int, rev: str) -> None:
+    head = head_spec(rev)
+    rows: dict[str, list[dict]] = {BEFORE: [], "after, defaults": [], "after, fast": []}
     for _ in range(repeats):  # interleaved: machine noise hits every variant alike
-        rows["before (HEAD), defaults"].append(child(head, "defaults", n))
+        rows[BEFORE].append(child(head, "defaults", n))
         rows["after, defaults"].append(child(str(ROOT), "defaults", n))
         rows["after, fast"].append(child(str(ROOT), "fast", n))
     shutil.rmtree(head, ignore_errors=True)
     digests = {r["digest"] for runs in rows.values() for r in runs}
-    base = min(r["cpu"] for r in rows["before (HEAD), defaults"])
+    base = min(r["cpu"] for r in rows[BEFORE])
     print(f"\n## side by side: first {n} requests of {TRACE.name}, vllm-v1, cost model {COST}, best of {repeats}")
     print(f"{'variant':<26} {'CPU s':>8} {'wall s':>8} {'steps':>9} {'µs/step':>8} {'speed-up':>9}")
     for name, runs in rows.items():
@@ -142,6 +145,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=2000, help="requests in the side-by-side runs")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--before", default="HEAD",
+                    help="git revision whose spec/ is the 'before' side (e.g. 3fb9394, the spec before the simulator work)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--skip-side-by-side", action="store_true")
     ap.add_argument("--skip-whole", action="store_true")
@@ -150,7 +155,7 @@ def main() -> None:
     print(f"python {platform.python_version()}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.1f}")
     if not args.skip_side_by_side:
-        side_by_side(args.requests, args.repeats)
+        side_by_side(args.requests, args.repeats, args.before)
     if not args.skip_whole:
         whole_sample()
     if not args.skip_sweep:

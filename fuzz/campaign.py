@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fuzz.corpus import save_finding
-from fuzz.generate import random_trace
+from fuzz.generate import profile_knobs, random_trace
 import fuzz.engines  # noqa: F401  (registers gpu, gpu-model, reference)
 from fuzz.replay import ReplayResult, replay
 from fuzz.shrink import shrink, signature
@@ -66,12 +66,17 @@ def trace_seed(campaign_seed: int, index: int) -> int:
     return zlib.crc32(f"{campaign_seed}:{index}".encode())
 
 
-def steer(uncovered: list[str], index: int) -> dict[str, Any]:
-    """Options for trace ``index``: every other trace targets one uncovered rule family."""
+def steer(uncovered: list[str], index: int, profile: str | None = None) -> dict[str, Any]:
+    """Options for trace ``index``: every other trace targets one uncovered rule family.
+
+    With ``profile``, every trace names it, and steering never overrides a knob
+    the profile fixes (a campaign against ``tgi`` stays a campaign against ``tgi``)."""
+    fixed = profile_knobs(profile) if profile else {}
     targets = [opts for prefix, opts in STEERING.items() if any(r.startswith(prefix) for r in uncovered)]
-    if not targets or index % 2 == 0:
-        return {}
-    return dict(targets[(index // 2) % len(targets)])
+    if fixed:  # steering options that would change the profile are dropped
+        targets = [o for o in ({k: v for k, v in t.items() if k not in fixed} for t in targets) if o]
+    out = {} if not targets or index % 2 == 0 else dict(targets[(index // 2) % len(targets)])
+    return {"profile": profile, **out} if profile else out
 
 
 @dataclass
@@ -288,11 +293,13 @@ class CampaignConfig:
     resume: bool = False
     ray: str | None = None
     stop_on_finding: bool = False  # end after the round that found the first finding
+    profile: str | None = None  # fix this profile's knobs in every trace (fuzz.generate.random_trace(profile=))
 
 
 def state_path(cfg: CampaignConfig) -> Path:
     i, n = cfg.shard
-    return Path(cfg.corpus) / f".campaign-{cfg.engine}-{cfg.level}-seed{cfg.seed}-shard{i}of{n}.json"
+    profile = f"-{cfg.profile}" if cfg.profile else ""
+    return Path(cfg.corpus) / f".campaign-{cfg.engine}-{cfg.level}{profile}-seed{cfg.seed}-shard{i}of{n}.json"
 
 
 def run_campaign(cfg: CampaignConfig, on_round: Callable[[CampaignState, list[Outcome]], None] | None = None) -> CampaignState:
@@ -337,7 +344,8 @@ def _round_tasks(cfg: CampaignConfig, state: CampaignState, all_rules: list[str]
     tasks = []
     for k in range(state.next_round * ROUND, state.next_round * ROUND + budget):
         index = k * n + i
-        tasks.append(Task(index, trace_seed(cfg.seed, index), steer(uncovered, k), cfg.engine, cfg.level, cfg.shrink_tries))
+        tasks.append(Task(index, trace_seed(cfg.seed, index), steer(uncovered, k, cfg.profile), cfg.engine, cfg.level,
+                          cfg.shrink_tries))
     return tasks
 
 

@@ -29,7 +29,7 @@ import random
 from dataclasses import fields, replace
 from typing import Any, Iterable
 
-from spec.config import SchedulerConfig, resolve
+from spec.config import PROFILES, VLLM_V1, SchedulerConfig, resolve
 from spec.formats import DEFAULT_EOS_TOKEN_ID, DEFAULT_VOCAB_SIZE, FIRST_SYNTHETIC_TOKEN, StepRecord, Trace, TraceRequest
 
 #: Feature areas of the conformance table, with what puts a trace in each.
@@ -61,7 +61,8 @@ BLOCK_SIZES = (4, 8, 16)
 MAX_PROMPT = 80
 _KNOBS = {f.name for f in fields(SchedulerConfig)} - {"profile"}
 #: Generator switches accepted by :func:`random_trace` besides the knobs.
-SWITCHES = ("n_requests", "aborts", "stop_tokens", "eos", "prefix_groups", "rejections", "tight_memory", "clones", "stress")
+SWITCHES = ("n_requests", "aborts", "stop_tokens", "eos", "prefix_groups", "rejections", "tight_memory", "clones", "stress",
+            "tenants")
 #: Extreme corners a ``stress`` trace takes one to three of.
 STRESS = ("vocab", "block", "budget", "many", "short", "watermark")
 
@@ -135,6 +136,28 @@ def _respect_vllm_limits(cfg: dict[str, Any], fixed: set[str]) -> None:
         cfg["long_prefill_token_threshold"] = cfg["max_model_len"]
 
 
+#: Pool sizes the generator always draws (sized to the trace, tight on purpose), even for a profile.
+SIZES = ("num_blocks", "num_cpu_blocks")
+#: Knobs a profile leaves to the generator unless it sets them apart from ``vllm-v1``
+#: (shapes and limits of the workload, and the tenants' VTC weights and prices).
+DRAWN = ("block_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "max_steps", "tenant_weights",
+         "vtc_input_price", "vtc_output_price")
+
+
+def profile_knobs(profile: str) -> dict[str, Any]:
+    """The knobs a trace drawn for ``profile`` fixes at the profile's values: every
+    semantic knob (queue policy, batching, reservation, admission, preemption,
+    chunking, prefix caching, caps, watermark, ...), and the :data:`DRAWN` ones where
+    the profile sets them apart from ``vllm-v1`` (``max_num_seqs=1`` for ``naive``,
+    ``block_size=1`` for ``sglang``).  Pool sizes (:data:`SIZES`) are always drawn."""
+    if profile not in PROFILES:
+        raise ValueError(f"unknown profile {profile!r} (known: {', '.join(sorted(PROFILES))})")
+    cfg, base = PROFILES[profile].config, VLLM_V1.config
+    return {f.name: getattr(cfg, f.name) for f in fields(SchedulerConfig)
+            if f.name != "profile" and f.name not in SIZES
+            and (f.name not in DRAWN or getattr(cfg, f.name) != getattr(base, f.name))}
+
+
 def _draw_prompts(rng: random.Random, n: int, want_groups: bool) -> list[dict[str, Any]]:
     """Prompt lengths and shared-prefix groups for ``n`` requests."""
     groups: list[tuple[str, int]] = []
@@ -194,6 +217,26 @@ def _clone(rng: random.Random, requests: list[TraceRequest], vocab: int) -> None
                           output_tokens=tuple(outs[: requests[i].max_tokens]))
 
 
+def _draw_tenants(rng: random.Random, cfg: dict[str, Any], requests: list[TraceRequest], options: dict[str, Any]) -> None:
+    """Tenants (and, unless fixed, VTC weights and prices) for a fair-share trace.
+
+    Drawn from their own generator (seeded from the trace seed), so that traces
+    without tenants keep exactly the draws they always had."""
+    k = options.get("tenants") or rng.choice((1, 2, 2, 3, 4))
+    names = [f"t{i}" for i in range(k)]
+    skew = [rng.choice((1, 1, 2, 4)) for _ in names]  # some tenants send more
+    for i, r in enumerate(requests):
+        requests[i] = replace(r, tenant=rng.choices(names, skew)[0])
+    if cfg["policy"] != "vtc":
+        return
+    if "tenant_weights" not in options and rng.random() < 0.5:
+        cfg["tenant_weights"] = ",".join(f"{t}={rng.choice((0.5, 1, 2, 3))}" for t in names if rng.random() < 0.7)
+    if "vtc_input_price" not in options and rng.random() < 0.3:
+        cfg["vtc_input_price"] = rng.choice((0.5, 1.0, 2.0))
+    if "vtc_output_price" not in options and rng.random() < 0.3:
+        cfg["vtc_output_price"] = rng.choice((1.0, 3.0, 4.0))
+
+
 def _size_memory(rng: random.Random, cfg: dict[str, Any], peaks: list[int], tight: bool, reject: bool) -> int:
     """``num_blocks`` (null block included): tight enough to preempt when ``tight``,
     too small for the largest request when ``reject``."""
@@ -216,9 +259,19 @@ def random_trace(seed: int, **options: Any) -> Trace:
     (``policy="priority"``, ``enable_prefix_caching=True`` …) or one of the
     generator switches :data:`SWITCHES`: ``n_requests`` (int), and
     ``aborts``, ``stop_tokens``, ``eos``, ``prefix_groups``, ``rejections``,
-    ``tight_memory``, ``clones``, ``stress`` (bool: force the feature on or off).
+    ``tight_memory``, ``clones``, ``stress`` (bool: force the feature on or off),
+    ``tenants`` (int: that many tenants; drawn anyway under ``policy="vtc"``).
     A ``stress`` trace also takes one to three of the extreme corners :data:`STRESS`.
+
+    ``profile`` (a name in :data:`spec.config.PROFILES`) draws the trace as usual,
+    then names that profile in the header and fixes its knobs (:func:`profile_knobs`):
+    sizes stay drawn, semantics are the profile's.  Knobs given in ``options`` still
+    win, and vLLM's constraints are re-established on the knobs left to the
+    generator.  Without ``profile`` the draws are unchanged.
     """
+    profile = options.pop("profile", None)
+    if profile is not None:
+        options = {**profile_knobs(profile), **options}
     unknown = set(options) - _KNOBS - set(SWITCHES)
     if unknown:
         raise TypeError(f"unknown option(s) {sorted(unknown)}; knobs or switches {SWITCHES}")
@@ -245,6 +298,8 @@ def random_trace(seed: int, **options: Any) -> Trace:
 
     cfg = _draw_config(rng, n)
     _stress_config(rng, cfg, stress)
+    if profile is not None:
+        cfg["profile"] = profile
     cfg.update({k: v for k, v in options.items() if k in _KNOBS})
     _respect_vllm_limits(cfg, fixed=set(options))
     prompts = _draw_prompts(rng, n, want_groups)
@@ -275,10 +330,18 @@ def random_trace(seed: int, **options: Any) -> Trace:
         ))
     if want_clones:
         _clone(rng, requests, vocab)
+    if cfg["policy"] == "vtc" or options.get("tenants"):
+        _draw_tenants(random.Random(f"tenants:{seed}"), cfg, requests, options)
     if "num_blocks" not in options:
         peaks = [_peak_slots(r.prompt_len, r.max_tokens, cfg["max_model_len"]) for r in requests
                  if r.prompt_len < cfg["max_model_len"]] or [1]
         cfg["num_blocks"] = _size_memory(rng, cfg, peaks, tight, want_reject)
+    if cfg.get("preemption_mode") == "swap" and "num_cpu_blocks" not in options:
+        swap_rng = random.Random(f"swap:{seed}")  # its own generator: other traces keep their draws
+        cfg["num_cpu_blocks"] = swap_rng.choice((0, 1, 2, 4, 8, swap_rng.randint(0, cfg["num_blocks"]), 256))
+    if profile is not None:  # the header names the profile and only the knobs that differ from it
+        base = PROFILES[profile].config
+        cfg = {k: v for k, v in cfg.items() if k == "profile" or k in SIZES or v != getattr(base, k)}
     return Trace(config=cfg, requests=requests, vocab_size=vocab, eos_token_id=eos,
                  name=f"random-{seed}", description=f"fuzz.generate.random_trace({seed})")
 

@@ -8,6 +8,7 @@ spec means something.
 * :mod:`gpu_engine.xp`         — array backend (torch tensors; numpy views of them on CPU)
 * :mod:`gpu_engine.formulas`   — closed forms of the scheduler's sequential loops
 * :mod:`gpu_engine.block_pool` — free-block queue, ref counts, block hashes
+* :mod:`gpu_engine.fairness`   — VTC tenant counters (policy "vtc")
 * :mod:`gpu_engine.scheduler`  — request state in tensors and the vectorized step
 * :mod:`gpu_engine.model`      — Llama-style decoder over a paged KV cache
 * :mod:`gpu_engine.attention`  — paged attention (Triton on GPU, torch fallback)

@@ -12,6 +12,7 @@ Two modes:
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -38,8 +39,44 @@ def make_model(model, device="cpu", dtype: torch.dtype = torch.float32, seed: in
     raise TypeError(f"model must be None, 'tiny', a LlamaConfig, a folder or a PagedLlama, got {model!r}")
 
 
+#: Knobs gpu_engine implements: name -> the values it accepts (None: any value).
+#: Every other knob of :class:`SchedulerConfig` must keep its default, so a knob
+#: added to the spec later is refused until it is implemented here.
+SUPPORTED: dict[str, frozenset | None] = {
+    "profile": None, "num_blocks": None, "block_size": None, "null_block": None, "enable_prefix_caching": None,
+    "max_num_batched_tokens": None, "max_num_seqs": None, "max_model_len": None, "enable_chunked_prefill": None,
+    "long_prefill_token_threshold": None, "scheduler_reserve_full_isl": None, "watermark": None,
+    "reject_unservable": None, "admit_after_preempt": None, "max_steps": None, "aging_steps": None,
+    "tenant_weights": None, "vtc_input_price": None, "vtc_output_price": None, "num_cpu_blocks": None,
+    "new_token_ratio_init": None, "new_token_ratio_min_factor": None, "new_token_ratio_decay_steps": None,
+    "retract_decode_steps": None, "clip_max_new_tokens": None,
+    "admission": frozenset({"budget", "estimate"}),
+    "batching": frozenset({"continuous", "prefill-first", "static"}),
+    "policy": frozenset({"fcfs", "priority", "spf", "vtc"}),
+    "kv_reservation": frozenset({"step", "full"}),
+    "preemption_mode": frozenset({"recompute", "swap"}),
+    "priority_self_preempt": frozenset({"stop", "continue"}),
+}
+
+
+def check_supported(config: SchedulerConfig) -> None:
+    """Raise ``ValueError`` naming the first knob value gpu_engine does not implement."""
+    default = type(config)()
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.name not in SUPPORTED:
+            if value != getattr(default, f.name):
+                raise ValueError(f"gpu_engine does not implement the knob {f.name}={value!r} "
+                                 f"(only its default {getattr(default, f.name)!r})")
+        elif SUPPORTED[f.name] is not None and value not in SUPPORTED[f.name]:
+            raise ValueError(f"gpu_engine does not implement {f.name}={value!r} "
+                             f"(implemented: {', '.join(sorted(map(str, SUPPORTED[f.name])))})")
+
+
 class GpuEngine:
-    """The optimized engine: tensor-resident vLLM V1 scheduling, paged KV, batched forward.
+    """The optimized engine: tensor-resident scheduling (vLLM V1 and the knobs in
+    :data:`SUPPORTED`), paged KV, batched forward.  A configuration with a knob value
+    it does not implement is refused with a ``ValueError`` naming the knob.
 
     ``level`` ("decisions", "memory" or "exact") chooses which record fields are
     filled (the cheaper levels skip building block tables for the log).
@@ -56,9 +93,7 @@ class GpuEngine:
                  use_numpy: bool | None = None):
         if level not in LEVELS:
             raise ValueError(f"level must be one of {', '.join(LEVELS)}, got {level!r}")
-        if config.batching != "continuous" or config.kv_reservation != "step":
-            raise ValueError(f"gpu_engine implements batching='continuous' with kv_reservation='step' only; "
-                             f"got batching={config.batching!r}, kv_reservation={config.kv_reservation!r}")
+        check_supported(config)
         self.config, self.vocab_size, self.eos_token_id, self.level = config, vocab_size, eos_token_id, level
         self.device = torch.device(device)
         self.sched = Scheduler(config, self.device, use_numpy=use_numpy, host_tables=level == "exact")
@@ -109,6 +144,9 @@ class GpuEngine:
         tokens = self._execute(batch) if self.model is not None else self._synthesize(batch)
         finished = s.update(batch, tokens, self.eos_token_id)
         self.num_steps += 1
+        s.clock += 1
+        if s.estimate and not s.has_unfinished():  # idle: ESTIMATE.RATIO resets
+            s.ratio = self.config.new_token_ratio_init
         return self._record(batch, names, samplers, tokens, finished)
 
     # -- execution -------------------------------------------------------------
@@ -153,6 +191,7 @@ class GpuEngine:
         rec = StepRecord(step=self.num_steps - 1)
         rec.scheduled = list(zip(names, xp.to_list(batch.num_scheduled)))
         rec.new, rec.resumed, rec.preempted = batch.new, batch.resumed, batch.preempted
+        rec.swapped_out, rec.swapped_in = batch.swapped_out, batch.swapped_in
         rec.finished = finished
         rec.aborted, self._aborted = self._aborted, []
         rec.rejected, self._rejected = self._rejected, []
@@ -164,6 +203,10 @@ class GpuEngine:
             rec.blocks = {r: k for r, k in zip(ids, held) if k}
             rec.cache_hits = batch.cache_hits
             rec.num_evicted = len(s.pool.evicted)
+            if s.swap:
+                rec.num_free_cpu_blocks = s.cpu_free
+            if s.estimate:
+                rec.new_token_ratio = s.ratio
             if self.level == "exact":
                 rec.block_ids = {r: t for r, t, k in zip(ids, s.tables(), held) if k}
                 rec.evicted = list(s.pool.evicted)

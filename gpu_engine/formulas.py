@@ -120,6 +120,7 @@ def admission(
     full_isl: bool,
     block_size: int,
     max_model_len: int,
+    reserve: Array | None = None,
 ) -> tuple[int, Array, Array]:
     """Phase 2 admission walk over the queue head: ``(count, n, need)``.
 
@@ -134,12 +135,21 @@ def admission(
     ``ok_j = left_j > 0 ∧ (chunked ∨ c_j <= left_j) ∧ (¬full_isl ∨ full_j + W_j <= F_j)
     ∧ need_j + W_j <= F_j``, and the loop admits exactly the longest all-``ok`` prefix
     (it stops at the first failure: head-of-line blocking).
+
+    ``reserve`` (kv_reservation="full"): the slots ``R_j`` each candidate reserves
+    to completion.  Its allocation then covers ``max(min(hit_j + n_j, L), R_j)``
+    slots, ``need_j = max(cdiv(max(min(hit_j + n_j, L), R_j), bs) - nhit_j, 0) + E_j``,
+    and the whole-sequence check applies only where ``R_j = 0`` (a reservation
+    already covers the whole sequence).
     """
     rem = num_tokens - hit_tokens
     c = xp.minimum(rem, cap) if cap > 0 else rem
     left = xp.maximum(budget - xp.exclusive_cumsum(c), 0)
     n = xp.minimum(c, left)
-    need = xp.maximum(cdiv(xp.minimum(hit_tokens + n, max_model_len), block_size) - num_hit_blocks, 0) + evictable_hits
+    slots = xp.minimum(hit_tokens + n, max_model_len)
+    if reserve is not None:
+        slots = xp.maximum(slots, reserve)
+    need = xp.maximum(cdiv(slots, block_size) - num_hit_blocks, 0) + evictable_hits
     seen_free = free - xp.exclusive_cumsum(need)
     position = xp.exclusive_cumsum(c * 0 + 1)  # 0, 1, 2, ... (j)
     wm = xp.where(position + num_running > 0, watermark, 0)
@@ -148,9 +158,48 @@ def admission(
         ok = ok & (c <= left)
     if full_isl:
         full = xp.maximum(cdiv(xp.minimum(num_tokens, max_model_len), block_size) - num_hit_blocks, 0) + evictable_hits
-        ok = ok & (full + wm <= seen_free)
+        fits = full + wm <= seen_free
+        ok = ok & (fits if reserve is None else (fits | (reserve > 0)))
     count = xp.first_true(~ok)
     return count, n, need
+
+
+def swap_in(
+    demand: Array,
+    num_computed: Array,
+    num_tokens: Array,
+    *,
+    budget: int,
+    free: int,
+    watermark: int,
+    num_running: int,
+    full_isl: bool,
+    block_size: int,
+    max_model_len: int,
+) -> tuple[int, Array, Array]:
+    """Swap-in walk over the swapped queue (SWAP.IN): ``(count, n, need)``.
+
+    Candidate ``j`` holds no GPU block and keeps its ``computed_j`` tokens; it
+    asks ``c_j = demand_j`` (:func:`token_demand`).  Loop: ``while budget > 0:
+    n_j = min(c_j, budget); budget -= n_j``, so, all before it swapped in,
+    ``left_j = B - excl(c)_j`` (not clipped: once a grant is cut by the budget,
+    every later ``left`` is <= 0 and the prefix has ended), ``n_j = min(c_j, left_j)``.
+    It needs ``need_j = cdiv(max(min(min(computed_j, L) + n_j, L), 0), bs)`` blocks
+    and, with ``full_isl``, ``full_j = cdiv(min(num_tokens_j, L), bs) <= F_j - W_j``;
+    ``F_j = F - excl(need)_j``, ``W_j = W if num_running + j > 0 else 0``.  The loop
+    swaps in the longest prefix with ``left_j > 0 ∧ need_j + W_j <= F_j`` (∧ the full check).
+    """
+    left = budget - xp.exclusive_cumsum(demand)
+    n = xp.minimum(demand, left)
+    slots = xp.maximum(xp.minimum(xp.minimum(num_computed, max_model_len) + n, max_model_len), 0)
+    need = cdiv(slots, block_size)
+    seen_free = free - xp.exclusive_cumsum(need)
+    position = xp.exclusive_cumsum(demand * 0 + 1)
+    wm = xp.where(position + num_running > 0, watermark, 0)
+    ok = (left > 0) & (need + wm <= seen_free)
+    if full_isl:
+        ok = ok & (cdiv(xp.minimum(num_tokens, max_model_len), block_size) + wm <= seen_free)
+    return xp.first_true(~ok), n, need
 
 
 def free_order(groups: Array, last: Array, zero: Array, hashed: Array) -> tuple[Array, Array]:

@@ -1,26 +1,39 @@
-"""Tensor-resident scheduler state and the vectorized step (vLLM V1 decisions).
+"""Tensor-resident scheduler state and the vectorized step (vLLM V1 decisions and the rest of the map).
 
 State (one row per request slot, capacity grows by doubling)
     ``prompt_len, num_tokens, num_output_tokens, num_computed_tokens, status, priority,
-    arrival, max_tokens, ignore_eos, num_blocks, num_cached_blocks, queue_key``   int64 columns
+    arrival, arrival_step, max_tokens, ignore_eos, num_blocks, num_cached_blocks, queue_key,
+    tenant, swap_key, cpu_blocks``   int64 columns
     ``token_ids[slot, pos]``     prompt + output tokens
     ``block_table[slot, i]``     the request's blocks, ``num_blocks`` of them
     ``stop_ids[slot, j]``        stop token ids (-1 padded)
     ``running``                  slots in admission order (an int64 array)
     ``waiting``                  implicit: every slot with a finite ``queue_key``; the
-                                 queue order is ascending key (FCFS: a deque counter,
-                                 victims get keys below the head; priority: (priority, arrival))
+                                 queue order is ascending key (FCFS and VTC: a deque counter,
+                                 victims get keys below the head, retracted requests above the
+                                 tail; priority / spf: (priority or prompt length, arrival),
+                                 aged per step by :meth:`Scheduler._queue_keys`)
+    ``swapped``                  implicit: every slot with a finite ``swap_key`` (swap-in order)
     ``pool``                     :class:`~gpu_engine.block_pool.BlockPool`
 
+The knobs (``spec.config.SchedulerConfig``) it implements are listed in
+:data:`gpu_engine.engine.SUPPORTED`: phase order ``batching`` (continuous,
+prefill-first, static), ``kv_reservation`` (step, full), ``policy`` (fcfs,
+priority, spf, vtc) with ``aging_steps``, ``preemption_mode`` (recompute, swap to
+a counted CPU pool), ``admission`` (budget, SGLang's estimate with retraction).
+
 A step is a bounded number of array ops plus short host loops only over rare
-events (one iteration per preemption point, per prefix-cache conflict round)
-and over the requests that touch the host hash map (prefix lookups at
-admission; hashing and registering a block when one fills up).  The closed
-forms are in :mod:`gpu_engine.formulas`.
+events (one iteration per preemption point, per prefix-cache conflict round,
+per swapped-out victim, per VTC admission) and over the requests that touch
+the host hash map (prefix lookups at admission; hashing and registering a
+block when one fills up).  The closed forms are in :mod:`gpu_engine.formulas`.
 
 Host-side (Python) state: request ids and trace requests per slot, each
-request's block-hash chain, the prefix-cache map (in the pool) and, for the
-exact-level log only, a mirror of the block tables.
+request's block-hash chain, the prefix-cache map (in the pool), the VTC
+counters (:mod:`gpu_engine.fairness`), SGLang's ``new_token_ratio`` and, for
+the exact-level log only, a mirror of the block tables.  Floats (VTC counters,
+the estimate admission's remaining tokens) are accumulated on the host in a
+fixed sequential order, so that they round exactly as a sequential loop does.
 """
 from __future__ import annotations
 
@@ -34,15 +47,17 @@ from spec.formats import FINISH_EOS, FINISH_MAX_MODEL_LEN, FINISH_MAX_TOKENS, FI
 from gpu_engine import formulas as F
 from gpu_engine import xp
 from gpu_engine.block_pool import BlockPool, hash_block, token_bytes
+from gpu_engine.fairness import TenantCounters
 from gpu_engine.formulas import INF_KEY, cdiv
 from gpu_engine.xp import Array, Backend
 
-FREE, WAITING, RUNNING, PREEMPTED = 0, 1, 2, 3
+FREE, WAITING, RUNNING, PREEMPTED, SWAPPED = 0, 1, 2, 3, 4
 REASONS = {F.STOP_EOS: FINISH_EOS, F.STOP_TOKEN: FINISH_STOP_TOKEN,
            F.STOP_MAX_MODEL_LEN: FINISH_MAX_MODEL_LEN, F.STOP_MAX_TOKENS: FINISH_MAX_TOKENS}
 COLUMNS = ("prompt_len", "num_tokens", "num_output_tokens", "num_computed_tokens", "status", "priority", "arrival",
-           "max_tokens", "ignore_eos", "num_blocks", "num_cached_blocks", "queue_key")
-PRIORITY_SHIFT = 1 << 32  # priority key = priority * 2^32 + arrival (arrivals are unique)
+           "arrival_step", "max_tokens", "ignore_eos", "num_blocks", "num_cached_blocks", "queue_key", "tenant",
+           "swap_key", "cpu_blocks")
+PRIORITY_SHIFT = 1 << 32  # priority / spf key = base * 2^32 + arrival (arrivals are unique)
 
 
 @dataclass
@@ -56,6 +71,8 @@ class Batch:
     new: list[str] = field(default_factory=list)
     resumed: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    swapped_out: list[str] = field(default_factory=list)
+    swapped_in: list[str] = field(default_factory=list)
     cache_hits: dict[str, int] = field(default_factory=dict)
 
 
@@ -86,6 +103,14 @@ class Scheduler:
         self.num_with_stop_ids = 0  # queued or running requests that have stop token ids
         self.head_key = -1  # FCFS: next key for a prepended victim (decreasing)
         self.tail_key = 0  # FCFS: next key for an arrival (increasing)
+        self.clock = 0  # steps executed so far (the engine advances it): ages for QUEUE.AGING
+        self.keyed = c.policy in ("priority", "spf")  # queue order by (base key, arrival), not by insertion
+        self.tc = TenantCounters(c) if c.policy == "vtc" else None  # VTC counters (host side)
+        self.estimate = c.admission == "estimate"  # SGLang: new_token_ratio admission + retraction
+        self.ratio = c.new_token_ratio_init
+        self.swap = c.preemption_mode == "swap"
+        self.cpu_free = c.num_cpu_blocks  # CPU swap pool: only a count (no block ids are logged)
+        self.num_swapped = 0  # swapped slots: finite ``swap_key``, swap-in order ascending
 
     # ------------------------------------------------------------------ storage
 
@@ -95,7 +120,7 @@ class Scheduler:
         shapes = {name: (capacity,) for name in COLUMNS}
         shapes.update(token_ids=(capacity, token_width), block_table=(capacity, block_width),
                       stop_ids=(capacity, stop_width))
-        fills = {"queue_key": INF_KEY, "block_table": -1, "stop_ids": -1}
+        fills = {"queue_key": INF_KEY, "swap_key": INF_KEY, "block_table": -1, "stop_ids": -1}
         new = {}
         for name, shape in shapes.items():
             t = be.tensor(shape, fills.get(name, 0))
@@ -146,6 +171,10 @@ class Scheduler:
         peak = min(req.prompt_len + req.max_tokens - 1, c.max_model_len - 1)
         if cdiv(peak, self.bs) > c.usable_blocks:
             return "never_fits"
+        if self.estimate:  # it could fail ESTIMATE.ADMIT in an empty engine once retracted
+            o = max(min(req.max_tokens, c.max_model_len - req.prompt_len) - 1, 0)
+            if req.prompt_len + o + min(req.max_tokens - o, c.clip_max_new_tokens) + self.bs >= c.usable_blocks * self.bs:
+                return "never_fits"
         return None
 
     def add(self, req: TraceRequest, prompt: list[int]) -> None:
@@ -166,11 +195,12 @@ class Scheduler:
         self.num_arrivals += 1
         for name, v in (("prompt_len", p), ("num_tokens", p), ("num_output_tokens", 0), ("num_computed_tokens", 0),
                         ("status", WAITING), ("priority", req.priority), ("arrival", arrival),
+                        ("arrival_step", self.clock), ("tenant", self.tc.tenant(req.tenant) if self.tc else 0),
                         ("max_tokens", req.max_tokens), ("ignore_eos", int(req.ignore_eos)),
                         ("num_blocks", 0), ("num_cached_blocks", 0)):
             getattr(self, name)[s] = v
         self.hashes[s] = self._chain([], prompt) if self.caching else []
-        self._enqueue(s, front=False)
+        self._enqueue(s, front=False, arrival=True)
 
     def _chain(self, chain: list[int], tokens: list[int]) -> list[int]:
         """Extend a block-hash chain over the full blocks of ``tokens`` (prompt + outputs)."""
@@ -179,16 +209,20 @@ class Scheduler:
             chain.append(hash_block(chain[-1] if chain else None, token_bytes(tokens[i * bs:(i + 1) * bs])))
         return chain
 
-    def _enqueue(self, s: int, front: bool) -> None:
-        """Waiting queue insert: FCFS tail (arrival) or head (victim); priority by key."""
-        if self.config.policy == "priority":
-            key = int(self.priority[s]) * PRIORITY_SHIFT + int(self.arrival[s])
+    def _enqueue(self, s: int, front: bool, arrival: bool = False) -> None:
+        """Waiting queue insert: FCFS tail (arrival) or head (victim); priority / spf by
+        key (base key = the priority number, or the prompt length under "spf")."""
+        if self.keyed:
+            base = self.prompt_len[s] if self.config.policy == "spf" else self.priority[s]
+            key = int(base) * PRIORITY_SHIFT + int(self.arrival[s])
         elif front:
             key, self.head_key = self.head_key, self.head_key - 1
         else:
             key, self.tail_key = self.tail_key, self.tail_key + 1
         self.queue_key[s] = key
         self.num_waiting += 1
+        if self.tc is not None:  # an arrival may lift its tenant's counter; a victim does not
+            (self.tc.arrive if arrival else self.tc.requeue)(int(self.tenant[s]))
 
     def abort(self, request_id: str) -> bool:
         """Remove a waiting or running request and free its blocks at once."""
@@ -199,9 +233,16 @@ class Scheduler:
             self._free_tables(self.be.asarray([s]))
             self.status[s] = FREE
             self.running = self.running[self.status[self.running] == RUNNING]
+        elif int(self.status[s]) == SWAPPED:
+            self.cpu_free += int(self.cpu_blocks[s])
+            self.cpu_blocks[s] = 0
+            self.swap_key[s] = INF_KEY
+            self.num_swapped -= 1
         else:
             self.queue_key[s] = INF_KEY
             self.num_waiting -= 1
+            if self.tc is not None:
+                self.tc.leave([int(self.tenant[s])])
         self._release(s)
         return True
 
@@ -216,7 +257,7 @@ class Scheduler:
         self.free_slots.append(s)
 
     def has_unfinished(self) -> bool:
-        return len(self.running) > 0 or self.num_waiting > 0
+        return len(self.running) > 0 or self.num_waiting > 0 or self.num_swapped > 0
 
     # ------------------------------------------------------------------ memory helpers
 
@@ -283,32 +324,77 @@ class Scheduler:
         self.pool.register(blocks, hashes)
         self.num_cached_blocks[ts] = hi
 
-    def _preempt(self, victims: Array) -> None:
-        """Recompute preemption, victims in order: free tables, reset, back to the queue."""
+    def _preempt(self, victims: Array, batch: Batch) -> None:
+        """Preempt victims in order: free their GPU tables (all at once, in order), then
+        SWAP.OUT those the CPU pool still has room for (``cdiv(computed, bs)`` CPU
+        blocks each, in order: a host loop over the victims) and recompute the rest
+        (reset, back to the waiting queue; SWAP.FALLBACK_RECOMPUTE under "swap")."""
         self._free_tables(victims)
-        self.status[victims] = PREEMPTED
-        self.num_computed_tokens[victims] = 0
-        for s in xp.to_list(victims):
-            self._enqueue(s, front=True)
+        recompute = xp.to_list(victims)
+        if self.swap:
+            need = xp.to_list(cdiv(self.num_computed_tokens[victims], self.bs))
+            swapped, recompute = [], []
+            for v, k in zip(xp.to_list(victims), need):
+                if k <= self.cpu_free:
+                    self.cpu_free -= k
+                    swapped.append(v)
+                    self.cpu_blocks[v] = k
+                else:
+                    recompute.append(v)
+            if swapped:
+                sw = self.be.asarray(swapped)
+                self.status[sw] = SWAPPED
+                self.swap_key[sw] = self._swap_keys(sw)
+                self.num_swapped += len(swapped)
+                batch.swapped_out += [self.ids[v] for v in swapped]
+            if not recompute:
+                return
+        rc = self.be.asarray(recompute)
+        self.status[rc] = PREEMPTED
+        self.num_computed_tokens[rc] = 0
+        for s in recompute:  # RETRACT.TO_TAIL under admission="estimate", else to the front
+            self._enqueue(s, front=not self.estimate)
+
+    def _swap_keys(self, slots: Array) -> Array:
+        """Swap-in order: arrival, or (priority, arrival) under "priority"."""
+        if self.config.policy == "priority":
+            return self.priority[slots] * PRIORITY_SHIFT + self.arrival[slots]
+        return self.arrival[slots]
 
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> Batch:
-        """One ``schedule()``: phase 1 (running, in order), then phase 2 (admissions)."""
+        """One ``schedule()``.  The phases depend on ``batching``:
+
+        * "continuous": phase 1 (running, in order), then phase 2 (admissions)
+          unless phase 1 preempted (and ``admit_after_preempt`` is off);
+        * "prefill-first": phase 2 first with the whole budget; a step that admits
+          anybody is that prefill batch alone, otherwise phase 1 alone;
+        * "static": phase 2 only into an empty engine (nothing running at the start
+          of the step), phase 1 otherwise.
+        """
         c = self.config
         self.pool.evicted = []
         cap = c.long_prefill_token_threshold if len(self.running) + self.num_waiting > 1 else 0
         budget = c.max_num_batched_tokens
         empty = self.be.empty_int()
         batch = Batch(empty, empty, empty, empty)
-        slots1, n1, budget, unscheduled = self._schedule_running(batch, budget, cap)
-        slots2 = n2 = empty
-        if (not batch.preempted or c.admit_after_preempt) and self.num_waiting:
+        slots1 = n1 = slots_in = n_in = slots2 = n2 = empty
+        starved = not len(self.running) and (self.num_waiting > 0 or self.num_swapped > 0)
+        if c.batching == "prefill-first" and self.num_waiting and not self.num_swapped:
             slots2, n2, budget = self._schedule_waiting(batch, budget, cap)
-        if unscheduled:
-            keep = ~xp.isin(slots1, self.be.asarray(unscheduled))
-            slots1, n1 = slots1[keep], n1[keep]
-        slots, n = self.be.cat([slots1, slots2]), self.be.cat([n1, n2])
+        if not len(slots2):
+            if len(self.running):
+                slots1, n1, budget = self._running_phase(batch, budget, cap)
+                if self.estimate:
+                    self._next_ratio(bool(batch.preempted))
+            if self.num_swapped and not batch.preempted:
+                slots_in, n_in, budget = self._schedule_swapped(batch, budget, cap)
+            admit = not (c.batching == "prefill-first" or (c.batching == "static" and not starved)
+                         or (batch.preempted and not c.admit_after_preempt) or self.num_swapped)
+            if admit and self.num_waiting:
+                slots2, n2, budget = self._schedule_waiting(batch, budget, cap)
+        slots, n = self.be.cat([slots1, slots_in, slots2]), self.be.cat([n1, n_in, n2])
         start = self.num_computed_tokens[slots]
         done = start + n
         self.num_computed_tokens[slots] = done
@@ -316,12 +402,96 @@ class Scheduler:
         batch.samples = done >= self.num_tokens[slots]
         return batch
 
+    def _next_ratio(self, retracted: bool) -> None:
+        """ESTIMATE.RATIO after a running phase: linear decay to the floor, or, after a
+        retraction, ``min(1, (sum outputs + retract_decode_steps x n) / sum max_tokens)``
+        over the n requests still running (unchanged when none is)."""
+        c = self.config
+        if not retracted:
+            self.ratio = max(self.ratio - c.new_token_ratio_decay, c.new_token_ratio_min)
+        elif len(self.running):
+            outputs = int(self.num_output_tokens[self.running].sum())
+            self.ratio = min(1.0, (outputs + c.retract_decode_steps * len(self.running))
+                             / int(self.max_tokens[self.running].sum()))
+
+    def _estimate_ok(self, extend: Array, slots: Array, rem: float) -> tuple[np.ndarray, np.ndarray]:
+        """ESTIMATE.ADMIT for a window: ``(ok, rem_before)``, host float64.
+
+        ``rem_before[j]`` = ``rem`` minus, one subtraction at a time, what each earlier
+        candidate reserves (``ceil_B(extend) + remaining_output + block_size``): an
+        accumulate, i.e. the same float roundings as a sequential loop."""
+        bs = self.bs
+        ext = self.be.host(extend)
+        out = self._remaining_output(slots)
+        steps = np.empty(len(ext) + 1)
+        steps[0] = rem
+        steps[1:] = -(cdiv(ext, bs) * bs + out + bs).astype(np.float64)
+        before = np.add.accumulate(steps)
+        return ext + out + bs < before[:-1], before
+
+    def _remaining_output(self, slots: Array) -> np.ndarray:
+        """ESTIMATE.REMAINING: ``min(max(max_tokens - outputs, 0), clip_max_new_tokens)`` (host)."""
+        h = self.be.host
+        left = np.maximum(h(self.max_tokens[slots]) - h(self.num_output_tokens[slots]), 0)
+        return np.minimum(left, self.config.clip_max_new_tokens)
+
+    def _schedule_swapped(self, batch: Batch, budget: int, cap: int):
+        """SWAP.IN: the swapped queue's head prefix that fits (:func:`formulas.swap_in`)
+        rejoins the running list's tail, computing its next chunk in this step."""
+        c = self.config
+        width = min(self.num_swapped, c.max_num_seqs - len(self.running))
+        empty = self.be.empty_int()
+        if width <= 0 or budget <= 0:
+            return empty, empty, budget
+        cand = xp.smallest_k(self.swap_key, width)
+        comp, ntok = self.num_computed_tokens[cand], self.num_tokens[cand]
+        count, n, need = F.swap_in(
+            F.token_demand(ntok, comp, cap, c.max_model_len), comp, ntok, budget=budget, free=self.pool.num_free,
+            watermark=self.watermark_blocks, num_running=len(self.running), full_isl=c.scheduler_reserve_full_isl,
+            block_size=self.bs, max_model_len=c.max_model_len)
+        if not count:
+            return empty, empty, budget
+        adm, n, comp = cand[:count], n[:count], comp[:count]
+        self._allocate(adm, need[:count])
+        self._cache_blocks(adm, xp.minimum(xp.minimum(comp, c.max_model_len) + n, ntok[:count]))
+        self.status[adm] = RUNNING
+        self.swap_key[adm] = INF_KEY
+        self.cpu_free += int(self.cpu_blocks[adm].sum())
+        self.cpu_blocks[adm] = 0
+        self.num_swapped -= count
+        self.running = self.be.cat([self.running, adm])
+        names = [self.ids[s] for s in xp.to_list(adm)]
+        batch.resumed += names
+        batch.swapped_in += names
+        if self.tc is not None:
+            self._charge(adm, comp, n)
+        return adm, n, budget - int(n.sum())
+
+    def _running_phase(self, batch: Batch, budget: int, cap: int):
+        """Phase 1 (:meth:`_schedule_running`), its given-back victims dropped, charged under VTC."""
+        slots1, n1, budget, unscheduled = self._schedule_running(batch, budget, cap)
+        if unscheduled:
+            keep = ~xp.isin(slots1, self.be.asarray(unscheduled))
+            slots1, n1 = slots1[keep], n1[keep]
+        if self.tc is not None:
+            self._charge(slots1, self.num_computed_tokens[slots1], n1)
+        return slots1, n1, budget
+
+    def _charge(self, slots: Array, start: Array, n: Array) -> None:
+        """VTC.CHARGE, in batch order (host floats: see :mod:`gpu_engine.fairness`)."""
+        h = self.be.host
+        self.tc.charge(h(self.tenant[slots]), h(self.prompt_len[slots]), h(start), h(n))
+
     def _victim_order(self, run: Array) -> Array:
         """Positions in ``run`` in the order the victim rule picks them.
 
         FCFS: ``running[-1]`` each time, i.e. the list from the tail.  Priority:
         ``max(priority, arrival)`` each time, i.e. descending key (keys are unique
         because arrivals are, so the tie rule never applies)."""
+        if self.estimate:  # fewest outputs, then longest prompt, then latest in the list
+            key = self.num_output_tokens[run] * PRIORITY_SHIFT - self.prompt_len[run]
+            rev = self.be.arange(len(run))[::-1] if self.be.numpy else self.be.arange(len(run)).flip(0)
+            return rev[xp.stable_argsort(key[rev])]
         if self.config.policy == "priority":
             key = self.priority[run] * PRIORITY_SHIFT + self.arrival[run]
             return xp.stable_argsort(-key)
@@ -372,19 +542,19 @@ class Scheduler:
             count, self_preempted = F.victims_needed(self._freed_in_order(run[order]), self.pool.num_free, dr, self_pos)
             vpos = order[:count]
             victims = run[vpos]
-            if c.policy == "priority":  # a victim scheduled earlier this step gives its tokens back
+            if c.policy == "priority" or self.estimate:  # a victim scheduled earlier gives its tokens back
                 for ss, sn in zip(seg_slots, seg_n):
                     hit = xp.isin(ss, victims)
                     if bool(hit.any()):
                         budget += int(sn[hit].sum())
                         unscheduled += xp.to_list(ss[hit])
             shift = int((vpos < p).sum())
-            self._preempt(victims)
+            self._preempt(victims, batch)
             batch.preempted += [self.ids[v] for v in xp.to_list(victims)]
             run = run[self.status[run] == RUNNING]
             i = p - shift
             if self_preempted:
-                if c.policy == "priority" and c.priority_self_preempt == "continue":
+                if self.estimate or (c.policy == "priority" and c.priority_self_preempt == "continue"):
                     continue
                 break
             one = self.be.asarray([r])
@@ -404,9 +574,17 @@ class Scheduler:
         (see :meth:`_lookup_window`); the next round looks it up again."""
         c = self.config
         out_slots, out_n = [], []
+        rem = None
+        if self.estimate:  # SGLang's rem_total_tokens, fixed as the admission round begins
+            held = (self.ratio * self._remaining_output(self.running)).astype(np.float64)
+            rem = self.pool.num_free * self.bs - (float(np.add.accumulate(held)[-1]) if len(held) else 0)
         while budget > 0 and self.num_waiting > 0 and len(self.running) < c.max_num_seqs:
-            width = min(self.num_waiting, c.max_num_seqs - len(self.running), budget)
-            cand = xp.smallest_k(self.queue_key, width)
+            if self.tc is not None:  # VTC: one admission per round, each charge moves the pick
+                keys = xp.where(self.tenant == self.tc.pick(), self.queue_key, INF_KEY)
+                cand = xp.smallest_k(keys, 1)
+            else:
+                width = min(self.num_waiting, c.max_num_seqs - len(self.running), budget)
+                cand = xp.smallest_k(self._queue_keys(), width)
             ntok = self.num_tokens[cand]
             if self.caching:
                 cand, ntok, hits, nhit, evictable = self._lookup_window(cand, ntok)
@@ -417,7 +595,11 @@ class Scheduler:
                 ntok, nhit * self.bs, nhit, evictable, budget=budget, free=self.pool.num_free,
                 watermark=self.watermark_blocks, num_running=len(self.running), cap=cap,
                 chunked=c.enable_chunked_prefill, full_isl=c.scheduler_reserve_full_isl,
-                block_size=self.bs, max_model_len=c.max_model_len)
+                block_size=self.bs, max_model_len=c.max_model_len, reserve=self._reservation(cand))
+            if rem is not None:
+                ok, before = self._estimate_ok(ntok - nhit * self.bs, cand, rem)
+                count = min(count, xp.first_true(~ok))
+                rem = float(before[count])
             if count:
                 self._admit(batch, cand[:count], ntok[:count], n[:count], need[:count], hits, nhit[:count], evictable[:count])
                 out_slots.append(cand[:count])
@@ -426,6 +608,24 @@ class Scheduler:
             if count < len(cand) or count == 0:
                 break
         return self.be.cat(out_slots), self.be.cat(out_n), budget
+
+    def _reservation(self, slots: Array) -> Array | None:
+        """ADMIT.RESERVE_FULL: slots reserved to completion at admission,
+        ``min(prompt + max_tokens - 1, L - 1)`` (None under kv_reservation="step")."""
+        if self.config.kv_reservation != "full":
+            return None
+        return xp.minimum(self.prompt_len[slots] + self.max_tokens[slots] - 1, self.config.max_model_len - 1)
+
+    def _queue_keys(self) -> Array:
+        """The waiting order's keys this step (INF_KEY: not waiting).  QUEUE.AGING: with
+        ``aging_steps`` = A > 0 the base key drops by ``(clock - arrival_step) // A``,
+        one vectorized op over every slot (ties still go to the earlier arrival)."""
+        a = self.config.aging_steps
+        if not a:
+            return self.queue_key
+        waiting = self.queue_key < INF_KEY
+        aged = self.queue_key - ((self.clock - self.arrival_step) // a) * PRIORITY_SHIFT
+        return xp.where(waiting, aged, INF_KEY)
 
     def _lookup_window(self, cand: Array, ntok: Array):
         """Prefix hits of the window's candidates, cut at the first one whose lookup
@@ -449,6 +649,8 @@ class Scheduler:
             free_hit = set(xp.to_list(fa[pool.ref_cnt[fa] == 0]))
         cut = len(slots)
         if len(slots) > 1:
+            res = self._reservation(cand)
+            reserve = [0] * len(slots) if res is None else xp.to_list(res)
             chains: set[int] = set()
             touched: set[int] = set()
             pops, uncached = 0, None
@@ -469,7 +671,7 @@ class Scheduler:
                             break
                 chains.update(chain)
                 touched.update(mine)
-                pops += cdiv(min(t, self.config.max_model_len), bs)
+                pops += cdiv(max(min(t, self.config.max_model_len), reserve[j]), bs)
         hit_lists = hit_lists[:cut]
         nhit = self.be.asarray([len(h) for h in hit_lists])
         evictable = self.be.asarray([sum(b in free_hit for b in h) for h in hit_lists])
@@ -501,6 +703,9 @@ class Scheduler:
             rid = self.ids[s]
             (batch.resumed if w == PREEMPTED else batch.new).append(rid)
             batch.cache_hits[rid] = k
+        if self.tc is not None:
+            self.tc.leave(xp.to_list(self.tenant[adm]))
+            self._charge(adm, hit_tokens, n)
 
     # ------------------------------------------------------------------ update
 

@@ -188,3 +188,80 @@ def test_stop_codes_follow_vllm_order(arr):
                         max_tokens=arr([5, 5, 5, 5, 5, 9]), eos_token_id=2, max_model_len=64)
     assert listify(code) == [F.STOP_EOS, F.STOP_TOKEN, F.STOP_MAX_MODEL_LEN, F.STOP_MAX_TOKENS,
                              F.STOP_TOKEN, F.STOP_NONE]
+
+
+@pytest.mark.parametrize("arr", BACKENDS)
+@given(cands=st.lists(st.tuples(st.integers(1, 60), st.integers(0, 3), st.integers(0, 3), st.integers(0, 90)),
+                      min_size=1, max_size=8),
+       budget=st.integers(1, 80), free=st.integers(0, 30), watermark=st.integers(0, 4), running=st.integers(0, 2),
+       cap=st.integers(0, 20), chunked=st.booleans(), full_isl=st.booleans(), bs=st.sampled_from([1, 2, 4, 16]),
+       mml=st.integers(8, 80))
+def test_admission_walk_with_reservation(arr, cands, budget, free, watermark, running, cap, chunked, full_isl, bs, mml):
+    """kv_reservation="full": each candidate's allocation covers at least its reservation
+    ``R`` slots, and the whole-sequence check is skipped where ``R > 0``."""
+    ntok, nhit, evict, reserve = [], [], [], []
+    for t, h, e, r in cands:
+        h = min(h, (t - 1) // bs)
+        ntok.append(t)
+        nhit.append(h)
+        evict.append(min(e, h))
+        reserve.append(min(r, mml - 1))
+    count, left, f = 0, budget, free
+    for j, (t, h, e, r) in enumerate(zip(ntok, nhit, evict, reserve)):
+        if left <= 0:
+            break
+        k = h * bs
+        n = t - k
+        if 0 < cap < n:
+            n = cap
+        if not chunked and n > left:
+            break
+        n = min(n, left)
+        wm = watermark if running + j > 0 else 0
+        if full_isl and not r and max(cdiv(min(t, mml), bs) - h, 0) + e + wm > f:
+            break
+        need = max(cdiv(max(min(k + n, mml), r), bs) - h, 0) + e
+        if need + wm > f:
+            break
+        f -= need
+        left -= n
+        count += 1
+    got, n, need = F.admission(arr(ntok) * 1, arr(nhit) * bs, arr(nhit) * 1, arr(evict) * 1, budget=budget, free=free,
+                               watermark=watermark, num_running=running, cap=cap, chunked=chunked,
+                               full_isl=full_isl, block_size=bs, max_model_len=mml, reserve=arr(reserve) * 1)
+    assert got == count
+
+
+@pytest.mark.parametrize("arr", BACKENDS)
+@given(cands=st.lists(st.tuples(st.integers(0, 60), st.integers(1, 30)), min_size=1, max_size=8),
+       budget=st.integers(1, 80), free=st.integers(0, 30), watermark=st.integers(0, 4), running=st.integers(0, 2),
+       cap=st.integers(0, 20), full_isl=st.booleans(), bs=st.sampled_from([1, 2, 4, 16]), mml=st.integers(8, 100))
+def test_swap_in_walk(arr, cands, budget, free, watermark, running, cap, full_isl, bs, mml):
+    """SWAP.IN: swapped requests (no GPU block, ``computed`` tokens kept) resume in order
+    while budget, blocks for computed + chunk (and the whole sequence) and the watermark allow."""
+    comp = [c for c, _ in cands]
+    ntok = [c + d for c, d in cands]
+    count, left, f, grants, needs = 0, budget, free, [], []
+    for j, (c, t) in enumerate(zip(comp, ntok)):
+        if left <= 0:
+            break
+        n = t - c
+        if 0 < cap < n:
+            n = cap
+        n = min(n, left, mml - c - 1)
+        wm = watermark if running + j > 0 else 0
+        if full_isl and cdiv(min(t, mml), bs) + wm > f:
+            break
+        need = cdiv(max(min(min(c, mml) + n, mml), 0), bs)
+        if need + wm > f:
+            break
+        f -= need
+        left -= n
+        count += 1
+        grants.append(n)
+        needs.append(need)
+    demand = F.token_demand(arr(ntok) * 1, arr(comp) * 1, cap, mml)
+    got, n, need = F.swap_in(demand, arr(comp) * 1, arr(ntok) * 1, budget=budget, free=free, watermark=watermark,
+                             num_running=running, full_isl=full_isl, block_size=bs, max_model_len=mml)
+    assert got == count
+    assert listify(n)[:count] == grants and listify(need)[:count] == needs

@@ -1,0 +1,170 @@
+"""gpu_engine vs. the spec on the rest of the scheduling map (issue #8), at the ``exact`` level.
+
+Each profile's knobs are fixed on top of :func:`fuzz.generate.random_trace`'s
+draws (``profile=``; sizes stay drawn): one request at a time (``naive``),
+static batching (``static``), prefill-first phase order (``vllm-v0``, ``tgi``),
+reservation to completion (``orca``, ``tgi``, ``static``), aging
+(``priority-aging``, ``spf-aging``), fair share (``vtc``), swap preemption
+(``vllm-v0-swap``) and SGLang's estimate admission with retraction (``sglang``).
+A second test crosses the new knob values with each other and with the rest of
+the knob space.  ``BATCHSPEC_MAP_TRACES`` (default 100) sets how many traces each
+profile replays; ``BATCHSPEC_GPU_SEED`` shifts the seeds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+from collections import Counter
+
+import pytest
+
+import fuzz.engines  # noqa: F401  (registers gpu)
+from fuzz.generate import SIZES, profile_knobs, random_trace
+from fuzz.replay import replay
+from gpu_engine import GpuEngine
+from gpu_engine.engine import SUPPORTED, check_supported
+from spec.config import PROFILES, SchedulerConfig, resolve
+from spec.rules import HITS
+
+NUM_TRACES = int(os.environ.get("BATCHSPEC_MAP_TRACES", "100"))
+SEED0 = int(os.environ.get("BATCHSPEC_GPU_SEED", "0"))
+MAP_PROFILES = ("naive", "static", "vllm-v0", "orca", "tgi", "priority-aging", "spf-aging", "vtc", "vllm-v0-swap",
+                "sglang")
+MAX_STEPS = 3000
+
+#: Rules each profile's traces must exercise (fired in the spec, counted by spec.rules.HITS).
+MUST_FIRE = {
+    "naive": ("ADMIT.MAX_NUM_SEQS",),
+    "static": ("BATCH.STATIC", "ADMIT.RESERVE_FULL"),
+    "vllm-v0": ("BATCH.PREFILL_FIRST", "PREEMPT.VICTIM_NEWEST"),
+    "orca": ("ADMIT.RESERVE_FULL",),
+    "tgi": ("BATCH.PREFILL_FIRST", "ADMIT.RESERVE_FULL"),
+    "priority-aging": ("QUEUE.AGING", "PREEMPT.VICTIM_LOWEST_PRIORITY"),
+    "spf-aging": ("QUEUE.AGING", "QUEUE.SPF"),
+    "vtc": ("VTC.LIFT", "VTC.PICK", "VTC.CHARGE"),
+    "vllm-v0-swap": ("SWAP.OUT", "SWAP.IN", "SWAP.FALLBACK_RECOMPUTE", "SWAP.BEFORE_WAITING"),
+    "sglang": ("ESTIMATE.ADMIT", "ESTIMATE.RATIO", "RETRACT.VICTIM_FEWEST_OUTPUTS", "RETRACT.TO_TAIL"),
+}
+
+
+def _trace(profile: str, seed: int, **knobs):
+    return random_trace(seed, profile=profile, max_steps=MAX_STEPS, **knobs)
+
+
+@pytest.mark.parametrize("profile", MAP_PROFILES)
+def test_exact_agreement_per_profile(profile):
+    HITS.clear()
+    seen: Counter = Counter()
+    for seed in range(SEED0, SEED0 + NUM_TRACES):
+        trace = _trace(profile, seed)
+        assert resolve(trace.config).profile == profile
+        result = replay(trace, "gpu", "exact")
+        assert result.agreed, f"{profile} seed {seed}: {result.divergence.describe()}"
+        for rec in result.engine_records:
+            seen["preempted"] += len(rec.preempted)
+            seen["admitted"] += len(rec.new)
+    cfg = PROFILES[profile].config
+    assert seen["admitted"]
+    if cfg.kv_reservation == "full":  # reservation to completion never preempts
+        assert seen["preempted"] == 0
+    elif cfg.max_num_seqs > 1:  # (one request alone never preempts: one that could not fit is rejected)
+        assert seen["preempted"], f"{profile}: no trace preempted"
+    missed = [r for r in MUST_FIRE[profile] if not HITS[r]]
+    assert not missed, f"{profile}: {NUM_TRACES} traces never fired {missed}"
+
+
+def test_mixed_knobs_agree():
+    """The new knob values crossed with each other and with the rest of the knob space
+    (prefix caching, chunking, long-prefill caps, watermark, priorities, aborts)."""
+    for seed in range(SEED0 + 5000, SEED0 + 5000 + NUM_TRACES):
+        rng = random.Random(seed)
+        knobs = {"batching": rng.choice(("continuous", "prefill-first", "static")),
+                 "policy": rng.choice(("fcfs", "priority", "spf", "vtc")),
+                 "preemption_mode": rng.choice(("recompute", "swap")),
+                 "admission": rng.choice(("budget", "budget", "estimate"))}
+        if knobs["admission"] == "budget":
+            knobs["kv_reservation"] = rng.choice(("step", "full"))
+        if knobs["policy"] in ("priority", "spf"):
+            knobs["aging_steps"] = rng.choice((0, 1, 2, 5))
+        trace = random_trace(seed, max_steps=MAX_STEPS, **knobs)
+        result = replay(trace, "gpu", "exact")
+        assert result.agreed, f"seed {seed} {knobs}: {result.divergence.describe()}"
+
+
+@pytest.mark.parametrize("profile", MAP_PROFILES)
+def test_torch_code_path_per_profile(profile):
+    """The CUDA code path (array code as torch ops), run on CPU."""
+    for seed in range(SEED0 + 9000, SEED0 + 9003):
+        trace = _trace(profile, seed)
+        result = replay(trace, GpuEngine.from_trace(trace, use_numpy=False), "exact")
+        assert result.agreed, f"{profile} seed {seed}: {result.divergence.describe()}"
+
+
+def test_profile_option_fixes_the_profiles_knobs():
+    for name in PROFILES:
+        fixed = profile_knobs(name)
+        assert not set(fixed) & set(SIZES)
+        for seed in range(20):
+            trace = _trace(name, seed)
+            cfg = resolve(trace.config)
+            assert cfg.profile == name
+            assert all(getattr(cfg, k) == v for k, v in fixed.items()), (name, seed)
+            assert not set(trace.config) & (set(fixed) - {"max_steps"})  # the header lists overrides only
+    assert profile_knobs("tgi")["batching"] == "prefill-first" and profile_knobs("tgi")["policy"] == "fcfs"
+    assert "block_size" not in profile_knobs("tgi") and profile_knobs("sglang")["block_size"] == 1
+    # a knob given explicitly still wins over the profile's value
+    assert resolve(_trace("tgi", 3, enable_prefix_caching=True).config).enable_prefix_caching
+    with pytest.raises(ValueError):
+        random_trace(0, profile="no-such-profile")
+
+
+def test_vtc_traces_have_tenants_and_others_do_not():
+    assert len({r.tenant for s in range(10) for r in _trace("vtc", s).requests}) > 1
+    assert {r.tenant for s in range(10) for r in random_trace(s).requests} == {"default"}
+
+
+def test_unimplemented_knob_values_are_refused():
+    """Any knob outside :data:`gpu_engine.engine.SUPPORTED` must keep its default;
+    a value outside a supported knob's set is refused by name."""
+    check_supported(SchedulerConfig())
+    for p in PROFILES.values():
+        check_supported(p.config)
+    with pytest.raises(ValueError, match="policy"):
+        check_supported(dataclasses.replace(SchedulerConfig(), policy="no-such-policy"))
+    unsupported = [f for f in dataclasses.fields(SchedulerConfig) if f.name not in SUPPORTED]
+    for f in unsupported:  # knobs added to the spec after gpu_engine: a non-default value is refused
+        default = getattr(SchedulerConfig(), f.name)
+        other = (not default) if isinstance(default, bool) else (default + 1 if isinstance(default, (int, float))
+                                                                  else f"not-{default}")
+        with pytest.raises(ValueError, match=f.name):
+            check_supported(dataclasses.replace(SchedulerConfig(), **{f.name: other}))
+    fake = dataclasses.make_dataclass("Config", [("future_knob", int, dataclasses.field(default=0))],
+                                      bases=(SchedulerConfig,), frozen=True)
+    check_supported(fake())
+    with pytest.raises(ValueError, match="future_knob"):
+        check_supported(fake(future_knob=1))
+
+
+def test_campaign_against_a_profile(tmp_path):
+    """``batchspec fuzz --profile P``: every trace names P, steering never changes its knobs."""
+    from fuzz.campaign import STEERING, CampaignConfig, run_campaign, steer
+
+    fixed = profile_knobs("tgi")
+    uncovered = ["ADMIT.NO_CHUNKING", "CACHE.HIT", "QUEUE.PRIORITY", "PREEMPT.VICTIM_NEWEST"]
+    for k in range(8):
+        opts = steer(uncovered, k, "tgi")
+        assert opts["profile"] == "tgi" and not set(opts) & set(fixed)
+    assert steer(uncovered, 1) in STEERING.values()  # no profile: as before
+    state = run_campaign(CampaignConfig(seed=1, traces=4, workers=1, corpus=str(tmp_path), profile="tgi"))
+    assert state.traces == 4 and not state.findings and not state.errors
+    assert any("tgi" in p.name for p in tmp_path.glob(".campaign-*"))
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("profile", MAP_PROFILES)
+def test_cuda_state_makes_the_same_decisions_per_profile(profile):
+    for seed in range(SEED0, SEED0 + 10):
+        trace = _trace(profile, seed)
+        result = replay(trace, GpuEngine.from_trace(trace, device="cuda"), "exact")
+        assert result.agreed, f"{profile} seed {seed}: {result.divergence.describe()}"
