@@ -31,7 +31,9 @@ from typing import Any
 import z3
 
 from invariants.proofs import stepmodel as SM
-from invariants.proofs.common import AND, COUNT, EQ, LE, LT, NOT, OR, ProofRow, ite, term, value
+from invariants.proofs.common import (
+    AND, COUNT, COUNTEREXAMPLE, EQ, LE, LT, NOT, OR, PROVED, ProofRow, ite, term, value,
+)
 from invariants.proofs.symex import Sym
 
 PROFILE = "vllm-v1"
@@ -58,7 +60,7 @@ def _config(**over) -> dict:
 
 
 def _search(config: dict, K: int, max_steps: int, bad_at, extra_pre=None, max_prompt: int = 12, max_tokens: int = 6,
-            max_arrival: int = 6, priorities: list | None = None):
+            max_arrival: int = 6, priorities: list | None = None, rules: dict | None = None, impl: dict | None = None):
     """Unroll the step; return (k, model, symbols) for the smallest k with ``bad_at(...)`` satisfiable."""
     from spec.config import resolve
 
@@ -78,7 +80,7 @@ def _search(config: dict, K: int, max_steps: int, bad_at, extra_pre=None, max_pr
     history = []
     for k in range(max_steps):
         s_before = s
-        s, info = SM.step(s, cfg, k)
+        s, info = SM.step(s, cfg, k, rules=rules, impl=impl)
         history.append((s_before, s, info))
         bad = bad_at(k, history, cfg)
         solver.push()
@@ -92,6 +94,28 @@ def _search(config: dict, K: int, max_steps: int, bad_at, extra_pre=None, max_pr
     return None, None, (prompts, maxtok, arrivals, prios), history
 
 
+def _story(trace, steps: int) -> str:
+    """What the spec does in the witness's first steps, in one line per step."""
+    from dataclasses import replace as dc_replace
+
+    from spec.protocol import StepLimitError
+    from spec.scheduler import run
+
+    try:
+        recs = run(dc_replace(trace, config={**trace.config, "max_steps": steps + 1}))
+    except StepLimitError as e:
+        recs = e.records
+    parts = []
+    for r in recs[: steps + 1]:
+        bits = [" ".join(f"{rid}:{n}" for rid, n in r.scheduled) or "nothing scheduled"]
+        bits += [f"admits {' '.join(r.new + r.resumed)}"] if (r.new or r.resumed) else []
+        bits += [f"preempts {' '.join(r.preempted)}"] if r.preempted else []
+        bits += [f"finishes {' '.join(x for x, _ in r.finished)}"] if r.finished else []
+        bits += [f"rejects {' '.join(x for x, _ in r.rejected)}"] if r.rejected else []
+        parts.append(f"step {r.step}: " + ", ".join(bits) + f" ({r.num_free_blocks} blocks free)")
+    return "; ".join(parts)
+
+
 def _trace(config: dict, m, syms, name: str, description: str):
     from spec.formats import Trace, TraceRequest
 
@@ -99,11 +123,18 @@ def _trace(config: dict, m, syms, name: str, description: str):
     reqs = [TraceRequest(id=f"r{j}", prompt_len=value(m, prompts[j]), max_tokens=value(m, maxtok[j]),
                          arrival_step=value(m, arrivals[j]), priority=value(m, prios[j]), ignore_eos=True)
             for j in range(len(prompts))]
+    # trace files list requests in arrival order; ties keep slot order, as the model's add order does
+    reqs.sort(key=lambda r: r.arrival_step)
     return Trace(config=dict(config), requests=reqs, name=name, description=description)
 
 
+def _describe(trace, steps: int, what: str):
+    trace.description = f"{what} What happens: {_story(trace, steps)}."
+    return trace
+
+
 def _shortest(config: dict, max_requests: int, max_steps: int, bad_at, extra_pre=None, priorities=None, **kw):
-    """The fewest steps, then the fewest requests, that reach a bad state."""
+    """The fewest steps, then the fewest requests, that reach a bad state (``kw``: mutants for every step)."""
     best = None
     for K in range(1, max_requests + 1):
         prios = priorities(K) if priorities else None
@@ -114,7 +145,8 @@ def _shortest(config: dict, max_requests: int, max_steps: int, bad_at, extra_pre
     return best
 
 
-def find_livelock(max_steps: int = 12, max_requests: int = 2, out: str | Path | None = None, **config) -> BmcResult:
+def find_livelock(max_steps: int = 12, max_requests: int = 2, out: str | Path | None = None,
+                  rules: dict | None = None, impl: dict | None = None, **config) -> BmcResult:
     """Shortest trace to a permanent idle stall (LIVE.NO_IDLE_STALL).
 
     Bad state at step ``k``: every request has arrived, nothing is running, a
@@ -138,7 +170,7 @@ def find_livelock(max_steps: int = 12, max_requests: int = 2, out: str | Path | 
         arrived = AND(*[LE(r.arrival, k) for r in after.reqs])
         return AND(arrived, info["starved"], NOT(OR(*d.admitted)))
 
-    best = _shortest(cfgd, max_requests, max_steps, bad_at, fits)
+    best = _shortest(cfgd, max_requests, max_steps, bad_at, fits, rules=rules, impl=impl)
     res = BmcResult("bmc.livelock" + ("" if cfgd["reject_unservable"] else ".no_reject"), best is not None,
                     best and best[0], max_steps, 0.0, details={"config": cfgd, "max_requests": max_requests})
     if best is not None:
@@ -146,15 +178,15 @@ def find_livelock(max_steps: int = 12, max_requests: int = 2, out: str | Path | 
         desc = (f"Found by Z3 bounded model checking (invariants.bmc.find_livelock): the shortest trace, {k} steps, "
                 "after which a request that fits the empty pool waits forever with reject_unservable off "
                 "(LIVE.NO_IDLE_STALL). With reject_unservable on, REJECT.NEVER_FITS rejects it at arrival.")
-        res.trace = _trace(cfgd, m, syms, "bmc-livelock", desc)
-        res.description = desc
+        res.trace = _describe(_trace(cfgd, m, syms, "bmc-livelock", desc), k, desc)
+        res.description = res.trace.description
         res.path = _write(res.trace, out)
     res.seconds = time.perf_counter() - t0
     return res
 
 
 def find_passing(max_steps: int = 10, passes: int = 3, max_requests: int = 4, out: str | Path | None = None,
-                 **config) -> BmcResult:
+                 rules: dict | None = None, impl: dict | None = None, **config) -> BmcResult:
     """Shortest trace where request r0 waits while ``passes`` later arrivals are admitted ahead of it.
 
     Under "priority" (r0 has priority 1, the others 0) this is starvation by
@@ -162,7 +194,7 @@ def find_passing(max_steps: int = 10, passes: int = 3, max_requests: int = 4, ou
     arrivals that does it.  Under "fcfs" no such trace exists within the bound:
     FCFS never passes an earlier arrival (QUEUE.FCFS_SORTED).
     """
-    cfgd = _config(max_num_seqs=1, reject_unservable=True, **{"policy": "priority", **config})
+    cfgd = _config(**{"max_num_seqs": 1, "reject_unservable": True, "policy": "priority", **config})
     t0 = time.perf_counter()
 
     def bad_at(k, history, cfg):
@@ -177,16 +209,19 @@ def find_passing(max_steps: int = 10, passes: int = 3, max_requests: int = 4, ou
         return LE(passes, passed)
 
     best = _shortest(cfgd, max_requests, max_steps, bad_at,
-                     priorities=lambda K: [1] + [0] * (K - 1) if cfgd["policy"] == "priority" else None)
+                     priorities=lambda K: [1] + [0] * (K - 1) if cfgd["policy"] == "priority" else None,
+                     rules=rules, impl=impl)
     res = BmcResult(f"bmc.passing.{cfgd['policy']}", best is not None, best and best[0], max_steps, 0.0,
                     details={"config": cfgd, "max_requests": max_requests})
     if best is not None:
         k, m, syms = best
         desc = (f"Found by Z3 bounded model checking (invariants.bmc.find_passing): the shortest trace, {k} steps, "
                 f"in which request r0 waits while {passes} later requests are admitted ahead of it "
-                f"({cfgd['policy']} policy, max_num_seqs={cfgd['max_num_seqs']}): starvation under priority (SGL-10, LMD-04).")
-        res.trace = _trace(cfgd, m, syms, f"bmc-passing-{cfgd['policy']}", desc)
-        res.description = desc
+                f"({cfgd['policy']} policy, max_num_seqs={cfgd['max_num_seqs']})"
+                + (": starvation under priority (SGL-10, LMD-04)." if cfgd["policy"] == "priority"
+                   else ": FCFS admission passed an earlier arrival (QUEUE.FCFS_SORTED)."))
+        res.trace = _describe(_trace(cfgd, m, syms, f"bmc-passing-{cfgd['policy']}", desc), k, desc)
+        res.description = res.trace.description
         res.path = _write(res.trace, out)
     res.seconds = time.perf_counter() - t0
     return res
@@ -262,15 +297,28 @@ def replay_starvation(trace, request: str = "r0") -> dict:
     return {"passed_over_by": passed, "admitted_at": admitted_at, "arrival": arrival[request]}
 
 
-def as_row(res: BmcResult, prop: str, expected: str = "proved") -> ProofRow:
-    status = "counterexample" if res.found else "proved"
+def as_row(res: BmcResult, prop: str, exists: bool = False) -> ProofRow:
+    """The table row of a search.
+
+    ``exists=False`` (a safety claim, "no trace within the bound reaches the bad
+    state"): proved when Z3 finds none, a counterexample (the trace) when it does.
+    ``exists=True`` (a reachability claim, "some trace within the bound reaches
+    it", e.g. why a rule exists): proved by the witness Z3 finds, which is then
+    the row's evidence and is written as a trace file; a counterexample (no such
+    trace within the bound) otherwise.
+    """
     text = ""
     if res.found:
         reqs = ", ".join(f"{r.id}(prompt {r.prompt_len}, max_tokens {r.max_tokens}, arrives {r.arrival_step}"
                          + (f", priority {r.priority}" if r.priority else "") + ")" for r in res.trace.requests)
         text = f"shortest witness: {res.steps} steps; {reqs}" + (f"; written to {res.path}" if res.path else "")
+        status = PROVED if exists else COUNTEREXAMPLE
+    else:
+        status = COUNTEREXAMPLE if exists else PROVED
+        if exists:
+            text = f"no trace of at most {res.bound} steps reaches it"
     cfg = res.details.get("config", {})
     bound = (f"≤{res.bound} steps, {cfg.get('num_blocks', 1) - 1} usable blocks, block size {cfg.get('block_size')}, "
-             f"{res.details.get('max_requests', '?')} requests")
+             f"{res.details.get('max_requests', '?')} requests, max_num_seqs {cfg.get('max_num_seqs')}")
     return ProofRow(res.name, prop, PROFILE, bound, status, res.seconds, text, "bmc",
-                    {"steps": res.steps, "path": res.path}, expected=expected)
+                    {"steps": res.steps, "path": res.path, "exists": exists})

@@ -115,7 +115,7 @@ def _describe(model, cfg, s: SM.State, d: SM.Decisions) -> str:
 
 
 def prove_step_property(name: str, prop: str, props, K: int, policy: str, rules: dict | None = None,
-                        fix: dict | None = None, self_preempt: str = "stop") -> ProofRow:
+                        fix: dict | None = None, self_preempt: str = "stop", impl: dict | None = None) -> ProofRow:
     """For each number of running requests (0..K): build the symbolic step and check
     ``pre ∧ ¬props`` unsat."""
     status, cex = PROVED, ""
@@ -125,7 +125,7 @@ def prove_step_property(name: str, prop: str, props, K: int, policy: str, rules:
             cfg.self_preempt = self_preempt
             for k, v in (fix or {}).items():
                 setattr(cfg, k, v)
-            s1, d = SM.schedule(s0, cfg, SM.OracleMemory(), rules=rules)
+            s1, d = SM.schedule(s0, cfg, SM.OracleMemory(), rules=rules, impl=impl)
             checks = props(cfg, s0, s1, d)
             status, model = check_unsat(pre + [NOT(AND(*[c for _, c in checks]))])
             if model is not None:
@@ -139,26 +139,28 @@ def prove_step_property(name: str, prop: str, props, K: int, policy: str, rules:
                     {"policy": policy, "self_preempt": self_preempt})
 
 
-def prove_budget(K: int = 4, policy: str = "fcfs", rules: dict | None = None, self_preempt: str = "stop") -> ProofRow:
+def prove_budget(K: int = 4, policy: str = "fcfs", rules: dict | None = None, self_preempt: str = "stop",
+                 impl: dict | None = None) -> ProofRow:
     """BUDGET.TOKENS_LE_BUDGET after the step's running phase, preemptions and admissions."""
     tag = policy if policy == "fcfs" else f"{policy}, self-preempt {self_preempt}"
     return prove_step_property(f"budget.tokens.{policy}" + ("" if self_preempt == "stop" else f".{self_preempt}"),
                                f"BUDGET.TOKENS_LE_BUDGET ({tag}): Σ scheduled ≤ budget, each in [1, remaining]",
-                               budget_properties, K, policy, rules, self_preempt=self_preempt)
+                               budget_properties, K, policy, rules, self_preempt=self_preempt, impl=impl)
 
 
-def prove_max_num_seqs(K: int = 4, policy: str = "fcfs", rules: dict | None = None) -> ProofRow:
+def prove_max_num_seqs(K: int = 4, policy: str = "fcfs", rules: dict | None = None, impl: dict | None = None) -> ProofRow:
     """SEQ.MAX_NUM_SEQS is preserved by the step."""
     return prove_step_property(f"budget.seqs.{policy}", f"SEQ.MAX_NUM_SEQS ({policy}): running ≤ max_num_seqs after the step",
-                               seqs_properties, K, policy, rules)
+                               seqs_properties, K, policy, rules, impl=impl)
 
 
 def prove_preempted_not_scheduled(K: int = 4, policy: str = "priority", rules: dict | None = None,
-                                  admit_after_preempt=False) -> ProofRow:
+                                  admit_after_preempt=False, impl: dict | None = None) -> ProofRow:
     """PREEMPT.NOT_SCHEDULED: a victim is never in the batch of the step that preempted it,
     even under "priority", where the victim may have been scheduled earlier in the step."""
     return prove_step_property(f"budget.preempted.{policy}", f"PREEMPT.NOT_SCHEDULED ({policy}): a victim is not in its step's batch",
-                               preempt_properties, K, policy, rules, fix={"admit_after_preempt": admit_after_preempt})
+                               preempt_properties, K, policy, rules, fix={"admit_after_preempt": admit_after_preempt},
+                               impl=impl)
 
 
 PROOFS = {

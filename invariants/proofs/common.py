@@ -138,9 +138,8 @@ class ProofRow:
     counterexample: str = ""  # readable witness when result == "counterexample"
     kind: str = ""  # memory / budget / translation / bmc
     details: dict = field(default_factory=dict)
-    #: what the shipped spec and engine should give: "proved", or "counterexample" for
-    #: a witness search on a deliberately weakened setting (a BMC row that shows why a
-    #: rule exists, with the trace it found)
+    #: what the shipped spec and engine should give (every shipped row: "proved"; a BMC
+    #: reachability row is proved by the witness it finds, see ``invariants.bmc.as_row``)
     expected: str = PROVED
 
     @property

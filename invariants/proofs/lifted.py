@@ -14,6 +14,7 @@ calls these rules) is in :mod:`invariants.proofs.stepmodel`.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 from typing import Any, Callable, Sequence
@@ -22,6 +23,7 @@ import z3
 
 import spec.kv as spec_kv
 import spec.scheduler as spec_sched
+from spec.config import SchedulerConfig
 from invariants.proofs.symex import Explorer, Sym, SymBool, rebind, rebind_class, rebind_module, term, wrap, unwrap
 
 
@@ -71,8 +73,19 @@ def lift(name: str, fn: Callable, kinds: Sequence[str], outputs: int = 1, assump
 _SCHED = rebind_module(spec_sched)
 
 
-def _cfg(**kw) -> types.SimpleNamespace:
-    return types.SimpleNamespace(**kw)
+_DEFAULTS = SchedulerConfig()
+
+
+def config_stub(**kw) -> types.SimpleNamespace:
+    """A config stand-in: every knob at its ``SchedulerConfig`` default (the shipped
+    behaviour the proofs are about; knobs added later default to the old behaviour),
+    the given ones (possibly symbolic) overridden."""
+    base = {f.name: getattr(_DEFAULTS, f.name) for f in dataclasses.fields(SchedulerConfig)}
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+_cfg = config_stub
 
 
 @functools.lru_cache(maxsize=None)

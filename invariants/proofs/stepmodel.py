@@ -12,9 +12,9 @@ What is derived and what is modelled:
   (``_schedule_running`` with its preemption loop, ``_schedule_waiting``),
   ``update_from_output`` and the driver's arrivals, transliterated statement by
   statement with ``If`` instead of ``if`` so that Z3 sees every path at once.
-  Memory is counted, not named (caching off: a preempted or finished request
-  returns all its blocks; :attr:`Req.released` can say otherwise, see the
-  translation-validation proofs).
+  Memory is counted, not named: a preempted or finished request returns all
+  its blocks, except prefix-cached blocks it shares with requests that keep
+  running (:attr:`Req.shared`, used by the translation-validation proofs).
 * **tied to the code** — :func:`cross_check` replays random traces through the
   real ``SpecEngine`` and through :func:`step` with concrete ints, and compares
   every step's scheduled tokens, admissions, preemptions, finishes, free-block
@@ -91,7 +91,10 @@ class Req:
     arrival: Any = 0  # arrival step
     nhit: Any = 0  # prefix-hit blocks if admitted now (inputs; 0 with caching off)
     hit_refs: list = field(default_factory=list)  # ref counts of those hit blocks
-    released: Any = None  # blocks returned to the free queue if freed now (None: all it holds)
+    #: prefix-cached blocks it shares with other requests (one flag per shared block,
+    #: counted in ``held``): freeing it returns such a block only if no running
+    #: request still holds it (``BlockPool.free_blocks``: ref count reaches 0)
+    shared: list = field(default_factory=list)
 
 
 @dataclass
@@ -102,8 +105,8 @@ class State:
     next_rkey: Any = 0
 
     def copy(self) -> "State":
-        return State([replace(r, hit_refs=list(r.hit_refs)) for r in self.reqs], self.free, self.head_key,
-                     self.next_rkey)
+        return State([replace(r, hit_refs=list(r.hit_refs), shared=list(r.shared)) for r in self.reqs], self.free,
+                     self.head_key, self.next_rkey)
 
 
 @dataclass
@@ -181,21 +184,26 @@ def new_decisions(s: State) -> Decisions:
                      first_fail=[False] * K, victims_at=[0] * K, self_preempted=[False] * K, reached=[False] * K)
 
 
-def schedule(s: State, cfg: Cfg, alloc: Allocator = counted_memory, rules: dict | None = None) -> tuple[State, Decisions]:
+def schedule(s: State, cfg: Cfg, alloc: Allocator = counted_memory, rules: dict | None = None,
+             impl: dict | None = None) -> tuple[State, Decisions]:
     """``SpecEngine.schedule``: phase 1 (running, in order) then phase 2 (admissions).
 
-    ``rules`` replaces lifted rules (test-only mutants): keys ``chunk_size``,
-    ``model_len_cap``, ``long_prefill_cap``.
+    Test-only mutants: ``rules`` replaces lifted rules (keys ``chunk_size``,
+    ``model_len_cap``, ``long_prefill_cap``); ``impl`` replaces a phase
+    (``schedule_running``, ``schedule_waiting``).
     """
+    impl = impl or {}
+    schedule_running_ = impl.get("schedule_running", schedule_running)
+    schedule_waiting_ = impl.get("schedule_waiting", schedule_waiting)
     R = _rules(rules)
     s = s.copy()
     d = new_decisions(s)
     running = [EQ(r.st, RUNNING) for r in s.reqs]
     waiting = [EQ(r.st, WAITING) for r in s.reqs]
     cap = R["long_prefill_cap"](cfg.threshold, COUNT(running) + COUNT(waiting))
-    budget, alive = schedule_running(s, d, cfg, cfg.budget, cap, alloc, R)
+    budget, alive = schedule_running_(s, d, cfg, cfg.budget, cap, alloc, R)
     admit_phase = OR(NOT(d.any_preempted), cfg.admit_after_preempt)
-    budget, nrun = schedule_waiting(s, d, cfg, budget, COUNT(alive), cap, alloc, R, enabled=admit_phase)
+    budget, nrun = schedule_waiting_(s, d, cfg, budget, COUNT(alive), cap, alloc, R, enabled=admit_phase)
     d.nrun_after = nrun
     # end of schedule(): computed tokens advance
     for j, r in enumerate(s.reqs):
@@ -240,7 +248,9 @@ def schedule_running(s: State, d: Decisions, cfg: Cfg, budget, cap, alloc: Alloc
             hit_self = OR(*[AND(vic[j], at[j]) for j in range(K)])
             for j, r in enumerate(q):
                 v = AND(need, vic[j])
-                rel = r.held if r.released is None else r.released
+                still_held = COUNT(AND(sh, OR(*[AND(alive[i], q[i].shared[u]) for i in range(K) if i != j]))
+                                   for u, sh in enumerate(r.shared))
+                rel = r.held - still_held  # blocks whose ref count reaches 0
                 s.free = ite(v, s.free + rel, s.free)
                 budget = ite(v, budget + d.sched[j], budget)  # un-scheduled: its tokens come back
                 d.sched[j] = ite(v, 0, d.sched[j])
@@ -250,7 +260,7 @@ def schedule_running(s: State, d: Decisions, cfg: Cfg, budget, cap, alloc: Alloc
                 r.preempted = OR(r.preempted, v)
                 r.comp = ite(v, 0, r.comp)
                 r.held = ite(v, 0, r.held)
-                r.released = None if r.released is None else ite(v, 0, r.released)
+                r.shared = [AND(sh, NOT(v)) for sh in r.shared]
                 r.qkey = ite(v, s.head_key, r.qkey)
             for j in range(K):
                 d.victims_at[j] = ite(AND(at[j], need), d.victims_at[j] + 1, d.victims_at[j])
@@ -339,24 +349,26 @@ def update(s: State, d: Decisions, cfg: Cfg, rules: dict | None = None) -> tuple
         code = capped(r.tok, r.out, r.max_tokens, cfg.max_model_len)
         fin = AND(smp, NOT(EQ(code, 0)))
         d.finished[j] = ite(fin, code, 0)
-        rel = r.held if r.released is None else r.released
-        s.free = ite(fin, s.free + rel, s.free)
+        s.free = ite(fin, s.free + r.held, s.free)  # (multi-step models share no blocks)
         r.held = ite(fin, 0, r.held)
         r.st = ite(fin, FINISHED, r.st)
     return s, samples
 
 
-def arrive(s: State, cfg: Cfg, step) -> tuple[State, list]:
+def arrive(s: State, cfg: Cfg, step, rules: dict | None = None) -> tuple[State, list]:
     """The driver adds the requests due at ``step`` (``add_request``): rejected when
-    ``reject_unservable`` and unservable, else queued.  Returns per slot the rejected flag."""
+    ``reject_unservable`` and unservable, else queued.  Returns per slot the rejected flag.
+    ``rules`` may replace ``never_fits`` / ``prompt_too_long`` (test-only mutants)."""
+    rules = rules or {}
+    nf = rules.get("never_fits") or lifted.never_fits(cfg.block_size)
+    ptl = rules.get("prompt_too_long") or lifted.prompt_too_long()
     s = s.copy()
     rejected = []
     for r in s.reqs:
         due = AND(EQ(r.st, ABSENT), EQ(r.arrival, step))
         bad = False
         if cfg.reject_unservable:
-            bad = OR(lifted.prompt_too_long()(r.prompt, cfg.max_model_len),
-                     lifted.never_fits(cfg.block_size)(r.prompt, r.max_tokens, cfg.max_model_len, cfg.usable_blocks))
+            bad = OR(ptl(r.prompt, cfg.max_model_len), nf(r.prompt, r.max_tokens, cfg.max_model_len, cfg.usable_blocks))
         rej = AND(due, bad)
         rejected.append(rej)
         r.st = ite(rej, REJECTED, ite(due, WAITING, r.st))
@@ -376,11 +388,12 @@ def initial(cfg: Cfg, prompts, max_tokens, arrivals, priorities=None) -> State:
     return State(reqs, cfg.usable_blocks)
 
 
-def step(s: State, cfg: Cfg, k, alloc: Allocator = counted_memory) -> tuple[State, dict]:
+def step(s: State, cfg: Cfg, k, alloc: Allocator = counted_memory, rules: dict | None = None,
+         impl: dict | None = None) -> tuple[State, dict]:
     """One driver step ``k``: arrivals, ``schedule``, ``update``."""
-    s, rejected = arrive(s, cfg, k)
+    s, rejected = arrive(s, cfg, k, rules)
     starved = AND(NOT(OR(*[EQ(r.st, RUNNING) for r in s.reqs])), OR(*[EQ(r.st, WAITING) for r in s.reqs]))
-    s, d = schedule(s, cfg, alloc)
+    s, d = schedule(s, cfg, alloc, rules, impl)
     s, samples = update(s, d, cfg)
     return s, {"decisions": d, "rejected": rejected, "samples": samples, "starved": starved}
 

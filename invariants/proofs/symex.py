@@ -1,10 +1,11 @@
 """A tiny symbolic executor: run the spec's and the engine's own Python on Z3 terms.
 
 The proofs in this package avoid re-typing the code they are about.  Instead
-they call the real functions — ``spec.scheduler.chunk_size``, the spec's
-``SpecEngine._schedule_running`` / ``_schedule_waiting`` loops,
-``KVCacheManager.allocate_slots``, ``gpu_engine.formulas.admission`` … — with
-*symbolic* arguments:
+they call the real functions — the spec's rules (``spec.scheduler.chunk_size``,
+``never_fits``, ``check_stop`` …), ``KVCacheManager.allocate_slots``, the GPU
+engine's ``gpu_engine.formulas`` and ``Scheduler._victim_order`` — with
+*symbolic* arguments (the spec's step loops themselves are transliterated in
+:mod:`~invariants.proofs.stepmodel` and cross-checked against ``SpecEngine``):
 
 * :class:`Sym` wraps a Z3 integer term and :class:`SymBool` a Z3 boolean term.
   Arithmetic and comparisons build terms.  When Python needs a concrete truth
@@ -450,7 +451,12 @@ class ZArr:
             start, stop, step = (None if v is None else int(v) for v in (idx.start, idx.stop, idx.step))
             return ZArr(self.v[slice(start, stop, step)])
         if isinstance(idx, ZArr):
-            raise TypeError("symbolic index arrays are not supported")
+            # Boolean-mask indexing keeps the shape: dropped entries become -1.  Sound
+            # only where the result feeds a reduction that ignores negative entries
+            # (``bincount``, the one use in gpu_engine.formulas).
+            if not all(z3.is_bool(m) for m in idx.v):
+                raise TypeError("symbolic integer index arrays are not supported")
+            return ZArr(z3.If(m, x, -1) for m, x in zip(idx.v, self.v))
         if hasattr(idx, "__len__"):
             return ZArr(self.v[int(i)] for i in idx)
         return wrap(self.v[int(idx)])
@@ -540,6 +546,11 @@ class _Key:
         return current().decide(self.e < other.e)
 
 
+def _bincount(x: ZArr, length: int):
+    """``bincount(x, minlength=length)`` over the non-negative entries (see mask indexing)."""
+    return ZArr(z3.Sum([z3.If(v == j, 1, 0) for v in x.v]) if x.v else z3.IntVal(0) for j in range(length))
+
+
 def _exclusive_cumsum(x):
     from gpu_engine import xp
 
@@ -555,6 +566,7 @@ SYM_XP = types.SimpleNamespace(
     first_true=_first_true,
     nonzero=_nonzero,
     stable_argsort=_stable_argsort,
+    bincount=_bincount,
 )
 
 
@@ -624,21 +636,25 @@ def rebind_class(cls: type, namespace: dict, overrides: dict[str, Any] | None = 
     return type(f"Sym{cls.__name__}", (), body)
 
 
-def mutate(fn: Callable, old: str, new: str) -> Callable:
-    """Test-only: ``fn`` with one source fragment replaced (a deliberately broken model).
+def mutate(fn: Callable, old: str, new: str, *more: str) -> Callable:
+    """Test-only: ``fn`` with source fragments replaced (a deliberately broken model).
 
+    ``more``: further ``old, new`` pairs.  Each fragment must occur exactly once.
     The mutant is compiled in a copy of ``fn``'s globals; nothing shipped changes.
     """
     import inspect
     import textwrap
 
-    src = textwrap.dedent(inspect.getsource(getattr(fn, "__func__", fn)))
-    if src.count(old) != 1:
-        raise ValueError(f"mutant fragment {old!r} found {src.count(old)} times in {fn.__qualname__}")
-    src = src.replace(old, new)
+    fn = unwrap(fn)
+    src = getattr(fn, "__mutant_source__", None) or textwrap.dedent(inspect.getsource(fn))
+    pairs = [(old, new)] + list(zip(more[::2], more[1::2]))
+    for a, b in pairs:
+        if src.count(a) != 1:
+            raise ValueError(f"mutant fragment {a!r} found {src.count(a)} times in {fn.__qualname__}")
+        src = src.replace(a, b)
     lines = [ln for ln in src.splitlines() if not ln.lstrip().startswith("@")]
-    ns = dict(getattr(fn, "__func__", fn).__globals__)
+    ns = dict(fn.__globals__)
     exec(compile("\n".join(lines), f"<mutant of {fn.__qualname__}>", "exec"), ns)
     out = ns[fn.__name__]
-    out.__dict__.update(getattr(fn, "__dict__", {}))
+    out.__mutant_source__ = "\n".join(lines)
     return out

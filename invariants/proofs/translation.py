@@ -36,7 +36,7 @@ from invariants.proofs import stepmodel as SM
 from invariants.proofs.common import (
     AND, COUNT, EQ, IMPLIES, LE, LT, NOT, OR, PROVED, COUNTEREXAMPLE, ProofRow, SUM, Timer, ite, value,
 )
-from invariants.proofs.symex import SYM_XP, Explorer, Sym, SymBool, ZArr, rebind, rebind_module, term, wrap
+from invariants.proofs.symex import SYM_XP, Explorer, Sym, SymBool, ZArr, rebind, rebind_module, smin, term, wrap
 
 PROFILE = "vllm-v1"
 BOUNDS = {"ci": 4, "long": 6}
@@ -47,7 +47,8 @@ def engine_formulas(overrides: dict | None = None) -> dict:
     import gpu_engine.formulas as F
 
     ns = rebind_module(F, {"xp": SYM_XP})
-    ns.update(overrides or {})
+    for name, fn in (overrides or {}).items():
+        ns[name] = rebind(fn, namespace=ns)  # a mutant runs on Z3 terms like the original
     return ns
 
 
@@ -59,7 +60,11 @@ def engine_victim_order():
 
 
 def _stub_scheduler(policy: str, priority: ZArr | None, arrival: ZArr | None):
-    return types.SimpleNamespace(config=types.SimpleNamespace(policy=policy), priority=priority, arrival=arrival,
+    """The attributes ``_victim_order`` reads, for the profile's knobs (other knobs at their
+    defaults: ``admission="budget"``, so not the SGLang-style ``estimate`` victim order)."""
+    cfg = lifted.config_stub(policy=policy)
+    return types.SimpleNamespace(config=cfg, priority=priority, arrival=arrival,
+                                 estimate=getattr(cfg, "admission", "budget") == "estimate",
                                  be=types.SimpleNamespace(numpy=True, arange=lambda n, start=0: np.arange(start, start + n)))
 
 
@@ -85,22 +90,28 @@ def _per_path(pre: list, paths, prop: Callable[[Any], list[tuple[str, Any]]], de
     return PROVED, ""
 
 
-def _running_input(K: int, policy: str = "fcfs", block_size: int = 2, shared: bool = False):
-    """K running requests in running-list order, symbolic lengths / computed / blocks."""
+def _running_input(K: int, policy: str = "fcfs", block_size: int = 2, shared: bool = False, num_shared: int = 2):
+    """K running requests in running-list order, symbolic lengths / computed / blocks.
+
+    ``shared``: besides its own blocks, each request may hold any of ``num_shared``
+    prefix-cached blocks that other running requests hold too (symbolic flags).
+    """
     B, T, L, free = Sym("budget"), Sym("threshold"), Sym("max_model_len"), Sym("free")
     cfg = SM.Cfg(budget=B, threshold=T, max_num_seqs=K, max_model_len=L, block_size=block_size,
                  usable_blocks=Sym("usable"), policy=policy)
     pre = [LE(1, B), LE(0, T), LE(1, L), LE(0, free)]
     reqs = []
     for j in range(K):
-        r = SM.Req(st=SM.RUNNING, tok=Sym(f"tok{j}"), comp=Sym(f"comp{j}"), held=Sym(f"held{j}"), rkey=j, qkey=j,
+        flags = [SymBool(z3.Bool(f"shares{j}_{u}")) for u in range(num_shared)] if shared else []
+        own = Sym(f"own_blocks{j}")
+        r = SM.Req(st=SM.RUNNING, tok=Sym(f"tok{j}"), comp=Sym(f"comp{j}"), held=own + COUNT(flags), rkey=j, qkey=j,
                    prio=Sym(f"prio{j}") if policy == "priority" else 0, aseq=Sym(f"aseq{j}") if policy == "priority" else j,
-                   released=Sym(f"released{j}") if shared else None)
-        pre += [LE(0, r.comp), LT(r.comp, r.tok), LE(0, r.held)]
-        if shared:
-            pre += [LE(0, r.released), LE(r.released, r.held)]
+                   shared=flags)
+        pre += [LE(0, r.comp), LT(r.comp, r.tok), LE(0, own)]
         if policy == "priority":
-            pre += [LE(0, r.aseq), LT(r.aseq, 1 << 31), LE(-(1 << 20), r.prio), LE(r.prio, 1 << 20)]
+            # only the relative order of priorities (ties included) and arrivals matters to
+            # either side, and values in [0, K) realise every such order
+            pre += [LE(0, r.aseq), LT(r.aseq, K), LE(0, r.prio), LT(r.prio, K)]
         reqs.append(r)
     if policy == "priority":
         pre += [NOT(EQ(reqs[i].aseq, reqs[j].aseq)) for i in range(K) for j in range(i)]
@@ -216,6 +227,35 @@ def prove_allocation(K: int = 4, formulas: dict | None = None) -> ProofRow:
 # --------------------------------------------------------------------------
 
 
+def _freed_in_order(F, s0: SM.State, order: list[int], held_now: list) -> ZArr:
+    """``Scheduler._freed_in_order`` (glue transliterated, ``freed_by_position`` real).
+
+    Without shared blocks every victim returns what it holds.  With them, one
+    entry per (victim, shared block it holds): ``position`` = the victim's place
+    in the order, ``last_position`` = the largest place among that block's
+    holders (the engine's ``scatter_max``); the engine's ``freed_by_position``
+    counts entries whose victim is the block's last holder.  A victim's own
+    blocks have one holder each and always return with it.
+    """
+    shared = [r.shared for r in s0.reqs]
+    if not any(shared):
+        return ZArr(held_now[v] for v in order)
+    U = len(shared[0])
+    last = [0] * U
+    for u in range(U):
+        last[u] = -1
+        for i, v in enumerate(order):
+            last[u] = ite(shared[v][u], i, last[u])  # the latest holder in the order
+    pos, lastpos = [], []
+    for i, v in enumerate(order):
+        for u in range(U):
+            pos.append(ite(shared[v][u], i, -2))  # no entry for a block it does not hold
+            lastpos.append(last[u])
+    by_shared = F["freed_by_position"](ZArr(pos), ZArr(lastpos), len(order))
+    own = [held_now[v] - COUNT(shared[v]) for v in order]
+    return ZArr(own[i] + by_shared[i] for i in range(len(order)))
+
+
 def prove_preemption(K: int = 4, policy: str = "fcfs", shared: bool = False, formulas: dict | None = None) -> ProofRow:
     """``victims_needed`` (with ``_victim_order``) equals the spec's preemption loop.
 
@@ -226,9 +266,11 @@ def prove_preemption(K: int = 4, policy: str = "fcfs", shared: bool = False, for
     failed allocation: the number of victims, who they are, in which order,
     and whether the requester preempted itself.
 
-    With ``shared=True`` a victim may share prefix-cached blocks with requests
-    that keep running: freeing it returns only the blocks whose ref count
-    reaches 0 (``BlockPool.free_blocks``), between 0 and all it holds.
+    With ``shared=True`` requests may share prefix-cached blocks: freeing a
+    victim returns only the blocks whose ref count reaches 0
+    (``BlockPool.free_blocks``), i.e. those no running request still holds; the
+    engine counts them with ``freed_by_position`` (the last holder in victim
+    order frees a shared block).
     """
     F = engine_formulas(formulas)
     order_fn = engine_victim_order()
@@ -249,8 +291,8 @@ def prove_preemption(K: int = 4, policy: str = "fcfs", shared: bool = False, for
             # the pool and the block counts as the event sees them: after the segment's allocations
             free_now = s0.free - SUM(need[j] for j in range(f))
             held_now = [s0.reqs[j].held + (need[j] if j < f else 0) for j in range(K)]
-            held = ZArr(held_now[int(i)] for i in order)
-            count, self_preempted = F["victims_needed"](held, free_now, need[f], self_pos)
+            freed = _freed_in_order(F, s0, [int(i) for i in order], held_now)
+            count, self_preempted = F["victims_needed"](freed, free_now, need[f], self_pos)
             victims = [int(i) for i in order[: int(count)]]
             return f, count, self_preempted, victims
 
@@ -272,7 +314,7 @@ def prove_preemption(K: int = 4, policy: str = "fcfs", shared: bool = False, for
         def describe(m, res):
             f, count, self_p, victims = res
             rows = [f"  r{j}: tokens={value(m, r.tok)} computed={value(m, r.comp)} held={value(m, r.held)}"
-                    + (f" released_if_freed={value(m, r.released)}" if shared else "")
+                    + (f" shares={[u for u, x in enumerate(r.shared) if value(m, x)]}" if shared else "")
                     + (f" priority={value(m, r.prio)} arrival={value(m, r.aseq)}" if policy == "priority" else "")
                     + f" spec victim #{value(m, d.victim_seq[j])}" for j, r in enumerate(s0.reqs)]
             return (_show(m, [("budget", cfg.budget), ("free", s0.free), ("first failure at", f),
@@ -284,7 +326,7 @@ def prove_preemption(K: int = 4, policy: str = "fcfs", shared: bool = False, for
     name = f"tv.preemption.{policy}" + (".shared" if shared else "")
     what = "victims_needed + _victim_order = spec preemption loop"
     bound = f"R≤{K} running requests, any blocks held / free count" + (
-        "; victims may share prefix blocks with running requests" if shared else "; no shared blocks (caching off)")
+        "; any sharing of 2 prefix-cached blocks" if shared else "; no shared blocks (caching off)")
     return ProofRow(name, f"{what} ({policy})", PROFILE, bound, status, t.seconds, cex, "translation",
                     {"paths": len(paths)})
 
@@ -317,7 +359,7 @@ def _engine_admission(F, s0: SM.State, cfg: SM.Cfg, nrun, cap):
     budget, free, waiting, running, start = cfg.budget, s0.free, K, nrun, 0
     admitted: list[tuple[int, Any]] = []
     while budget > 0 and waiting > 0 and running < cfg.max_num_seqs:
-        width = int(min(waiting, cfg.max_num_seqs - running, budget))
+        width = int(smin(waiting, cfg.max_num_seqs - running, budget))  # one fork per width value
         cand = list(range(start, start + width))
         ntok = ZArr(s0.reqs[j].tok for j in cand)
         nhit = ZArr(s0.reqs[j].nhit for j in cand)
@@ -434,7 +476,7 @@ def prove_stop_codes(K: int = 3, formulas: dict | None = None) -> ProofRow:
             for j in range(K):
                 req = types.SimpleNamespace(eos_token_id=EOS if eos_ok[j] else None, stop_token_ids=_StopIds(stop_hit[j]),
                                             num_tokens=ntok[j], output_token_ids=_Out(nout[j]), max_tokens=maxt[j])
-                spec.append(codes[check_stop(req, token[j], types.SimpleNamespace(max_model_len=L))])
+                spec.append(codes[check_stop(req, token[j], lifted.config_stub(max_model_len=L))])
             return eng, spec
 
         paths = Explorer(pre).run(both)
@@ -541,6 +583,12 @@ def cross_check_formulas(trials: int = 500, seed: int = 0) -> int:
             rv = F.victims_needed(A(held), free, dr, sp)
             sv = S["victims_needed"](Z(held), free, dr, sp)
             assert (int(rv[0]), bool(rv[1])) == (ints(sv[0]), bool(wrap(z3.simplify(term(sv[1])), True))), "victims_needed"
+            # freed_by_position: entries (victim position, last holder's position) of held blocks
+            ent = [(rng.randrange(n), rng.randrange(n)) for _ in range(rng.randint(0, 6))]
+            pos_, last_ = [max(a, b) if rng.random() < 0.5 else a for a, b in ent], [max(a, b) for a, b in ent]
+            real = F.freed_by_position(A(pos_), A(last_), n)
+            sym = S["freed_by_position"](Z(pos_), Z(last_), n)
+            assert ints(real) == ints(sym), "freed_by_position"
             for full in (True, False):
                 for chunked in (True, False):
                     kw = dict(budget=budget, free=free, watermark=rng.choice([0, 1]), num_running=rng.randint(0, 2),
