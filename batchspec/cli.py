@@ -199,6 +199,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_fuzz(args) -> int:
+    import dataclasses
     import os
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -222,10 +223,24 @@ def cmd_fuzz(args) -> int:
     if args.profile is not None and args.profile not in PROFILES:
         err_console.print(f"error: unknown --profile {args.profile!r} (known: {', '.join(sorted(PROFILES))})")
         return BAD_INPUT
+    knobs = {}
+    if args.set:
+        from fuzz.sweep import parse_knobs
+        from spec.config import SchedulerConfig
+
+        try:
+            knobs = parse_knobs(args.set)
+        except ValueError as e:
+            err_console.print(f"error: --set: {e}")
+            return BAD_INPUT
+        unknown = set(knobs) - {f.name for f in dataclasses.fields(SchedulerConfig)} - {"profile"}
+        if unknown:
+            err_console.print(f"error: --set: unknown knob(s) {', '.join(sorted(unknown))}")
+            return BAD_INPUT
     cfg = CampaignConfig(seed=args.seed, engine=args.engine, level=args.level, traces=args.traces, seconds=args.seconds,
                          workers=args.workers or os.cpu_count() or 1, shard=(i, n), corpus=args.corpus,
                          timeout=args.timeout, shrink_tries=args.shrink_tries, resume=args.resume, ray=args.ray,
-                         profile=args.profile)
+                         profile=args.profile, knobs=knobs)
     total = args.traces
     with Progress(TextColumn("[bold]fuzz[/] {task.fields[engine]}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[rate]:.1f} traces/s · findings {task.fields[findings]} · "
@@ -397,6 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     fz.add_argument("--resume", action="store_true", help="continue the campaign saved in the corpus directory")
     fz.add_argument("--ray", metavar="ADDRESS", help="run the traces on an existing Ray cluster (extra `ray`)")
     fz.add_argument("--profile", help="fix this profile's knobs in every random trace (naive, static, vllm-v0, orca, tgi, ...)")
+    fz.add_argument("--set", help="knob=value,... fixed in every random trace, over the profile (e.g. policy=priority)")
     fz.set_defaults(fn=cmd_fuzz)
 
     inv = sub.add_parser("invariants", help="list the invariant catalogue")

@@ -294,12 +294,14 @@ class CampaignConfig:
     ray: str | None = None
     stop_on_finding: bool = False  # end after the round that found the first finding
     profile: str | None = None  # fix this profile's knobs in every trace (fuzz.generate.random_trace(profile=))
+    knobs: dict[str, Any] = field(default_factory=dict)  # fixed in every trace, over the profile's and steering's
 
 
 def state_path(cfg: CampaignConfig) -> Path:
     i, n = cfg.shard
     profile = f"-{cfg.profile}" if cfg.profile else ""
-    return Path(cfg.corpus) / f".campaign-{cfg.engine}-{cfg.level}{profile}-seed{cfg.seed}-shard{i}of{n}.json"
+    knobs = "".join(f"-{k}={v}" for k, v in sorted(cfg.knobs.items()))
+    return Path(cfg.corpus) / f".campaign-{cfg.engine}-{cfg.level}{profile}{knobs}-seed{cfg.seed}-shard{i}of{n}.json"
 
 
 def run_campaign(cfg: CampaignConfig, on_round: Callable[[CampaignState, list[Outcome]], None] | None = None) -> CampaignState:
@@ -344,7 +346,7 @@ def _round_tasks(cfg: CampaignConfig, state: CampaignState, all_rules: list[str]
     tasks = []
     for k in range(state.next_round * ROUND, state.next_round * ROUND + budget):
         index = k * n + i
-        tasks.append(Task(index, trace_seed(cfg.seed, index), steer(uncovered, k, cfg.profile), cfg.engine, cfg.level,
+        tasks.append(Task(index, trace_seed(cfg.seed, index), {**steer(uncovered, k, cfg.profile), **cfg.knobs}, cfg.engine, cfg.level,
                           cfg.shrink_tries))
     return tasks
 

@@ -51,3 +51,13 @@ def test_profiles_lists_every_knob():
 def test_missing_file_is_bad_input(tmp_path):
     proc = batchspec("run", str(tmp_path / "nope.jsonl"))
     assert proc.returncode == 2 and "nope.jsonl:0: (file):" in proc.stderr.replace("\n", "")
+
+
+def test_fuzz_set_refuses_an_unknown_knob_and_fixes_known_ones(tmp_path):
+    bad = batchspec("fuzz", "--traces", "1", "--set", "no_such_knob=1", "--corpus", str(tmp_path))
+    assert bad.returncode == 2 and "no_such_knob" in bad.stderr
+    from fuzz.campaign import CampaignConfig, _round_tasks, CampaignState
+
+    cfg = CampaignConfig(traces=16, profile="naive", knobs={"policy": "priority"})
+    tasks = _round_tasks(cfg, CampaignState(seed=0, engine="gpu", level="exact"), ["QUEUE.FCFS"])
+    assert tasks and all(t.options["policy"] == "priority" and t.options["profile"] == "naive" for t in tasks)
