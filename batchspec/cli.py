@@ -142,7 +142,8 @@ def cmd_prove(args) -> int:
                           f"every invariant held ({time.perf_counter() - t0:.1f} s)")
         return 0
     try:
-        from invariants.z3_proofs import PROVED, proof_names, render_table, run_proofs
+        from batchspec.render import proof_table as render_table
+        from invariants.z3_proofs import PROVED, proof_names, run_proofs
     except ImportError as e:
         err_console.print(f"[red]error:[/] the Z3 proofs are not available here ({e}); "
                           "`batchspec prove --hypothesis` runs the stateful campaign")

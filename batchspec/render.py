@@ -62,3 +62,35 @@ def outcome_table(trace: Trace, records: list[StepRecord]) -> Table:
         table.add_row(rid, str(i["arrival"]), str(i.get("admitted", "-")), str(i.get("first_token", "-")),
                       str(i["preempted"]), str(i["outputs"]), i.get("end", "-"))
     return table
+
+
+def proof_table(rows: list[ProofRow], title: str | None = None, show_counterexamples: bool = True):
+    """The ``batchspec prove`` table: property, profile, bound, result, time (rows of :func:`invariants.proofs.run_proofs`)."""
+    from invariants.proofs.common import COUNTEREXAMPLE, PROVED
+    from rich import box
+    from rich.table import Table
+
+    from rich.markup import escape
+
+    table = Table(title=title or "batchspec prove", box=box.SIMPLE_HEAVY, show_lines=False)
+    table.add_column("property", ratio=2)
+    table.add_column("profile", no_wrap=True)
+    table.add_column("bound", ratio=1, overflow="fold")
+    table.add_column("result", no_wrap=True)
+    table.add_column("time", justify="right", no_wrap=True)
+    for r in rows:
+        if r.result == PROVED:
+            res = "[green]proved[/]" + (" (witness)" if r.details.get("exists") else "")
+        elif r.result == COUNTEREXAMPLE:
+            res = "[red]counterexample[/]"
+        else:
+            res = f"[red]{escape(r.result)}[/]"
+        prop = f"[bold]{escape(r.name)}[/] {escape(r.property)}"
+        if r.counterexample and show_counterexamples and (not r.ok or r.kind == "bmc"):
+            prop += "\n[dim]" + escape(r.counterexample) + "[/]"
+        table.add_row(prop, escape(r.profile), escape(r.bound), res, f"{r.seconds:.1f}s")
+    bad = [r.name for r in rows if not r.ok]
+    total = sum(r.seconds for r in rows)
+    table.caption = (f"{len(rows) - len(bad)}/{len(rows)} proved, {total:.0f}s of solving"
+                     + (f"; NOT proved: {', '.join(bad)}" if bad else ""))
+    return table

@@ -9,7 +9,7 @@ Importing it needs ``z3-solver`` (ImportError otherwise).
 from __future__ import annotations
 
 from invariants.proofs import (  # noqa: F401 — re-exported
-    BOUNDS, COUNTEREXAMPLE, PROVED, UNKNOWN, ProofRow, all_ok, cross_checks, proof_names, render_table, run_proofs,
+    BOUNDS, COUNTEREXAMPLE, PROVED, UNKNOWN, ProofRow, all_ok, cross_checks, proof_names, run_proofs,
 )
 
 _MEM = ["mem.allocate", "mem.touch", "mem.free", "mem.evict", "mem.preempt"]
@@ -34,4 +34,4 @@ COVERAGE: dict[str, list[str]] = {
 }
 
 __all__ = ["BOUNDS", "COUNTEREXAMPLE", "COVERAGE", "PROVED", "UNKNOWN", "ProofRow", "all_ok", "cross_checks",
-           "proof_names", "render_table", "run_proofs"]
+           "proof_names", "run_proofs"]

@@ -20,7 +20,7 @@ z3 = pytest.importorskip("z3")
 import gpu_engine.formulas as F  # noqa: E402
 from invariants import bmc  # noqa: E402
 from invariants.proofs import (  # noqa: E402
-    COUNTEREXAMPLE, PROVED, all_ok, proof_names, render_table, run_proofs,
+    COUNTEREXAMPLE, PROVED, all_ok, proof_names, run_proofs,
 )
 from invariants.proofs import budget as B  # noqa: E402
 from invariants.proofs import lifted  # noqa: E402
@@ -59,6 +59,8 @@ def test_shipped_proof_gives_its_expected_result_at_the_ci_bound(table, name):
 
 def test_table_renders_every_row_with_result_and_time(table):
     from rich.console import Console
+
+    from batchspec.render import proof_table as render_table
 
     rows, _ = table
     console = Console(width=240, record=True)

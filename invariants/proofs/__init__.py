@@ -26,7 +26,6 @@ code by concrete cross-checks (:func:`cross_checks`), run before the proofs.
 Public API (what the CLI uses)::
 
     run_proofs(bound="ci", only=None, trace_dir=None, jobs=1, progress=None) -> list[ProofRow]
-    render_table(rows, title=None) -> rich.table.Table
     all_ok(rows) -> bool
     proof_names(bound="ci") -> list[str]
     cross_checks(bound="ci") -> dict[str, int]
@@ -39,7 +38,7 @@ from typing import Callable, Iterable
 
 from invariants.proofs.common import COUNTEREXAMPLE, PROVED, UNKNOWN, ProofRow
 
-__all__ = ["ProofRow", "PROVED", "COUNTEREXAMPLE", "UNKNOWN", "run_proofs", "render_table", "all_ok",
+__all__ = ["ProofRow", "PROVED", "COUNTEREXAMPLE", "UNKNOWN", "run_proofs", "all_ok",
            "proof_names", "cross_checks", "BOUNDS"]
 
 #: Sizes per bound.  "ci" is what CI runs (the whole table in a few minutes on
@@ -204,34 +203,3 @@ def run_proofs(bound: str = "ci", only: Iterable[str] | None = None, trace_dir: 
 def all_ok(rows: Iterable[ProofRow]) -> bool:
     """Every row gave what the shipped spec and engine should give."""
     return all(r.ok for r in rows)
-
-
-def render_table(rows: list[ProofRow], title: str | None = None, show_counterexamples: bool = True):
-    """The ``batchspec prove`` table: property, profile, bound, result, time."""
-    from rich import box
-    from rich.table import Table
-
-    from rich.markup import escape
-
-    table = Table(title=title or "batchspec prove", box=box.SIMPLE_HEAVY, show_lines=False)
-    table.add_column("property", ratio=2)
-    table.add_column("profile", no_wrap=True)
-    table.add_column("bound", ratio=1, overflow="fold")
-    table.add_column("result", no_wrap=True)
-    table.add_column("time", justify="right", no_wrap=True)
-    for r in rows:
-        if r.result == PROVED:
-            res = "[green]proved[/]" + (" (witness)" if r.details.get("exists") else "")
-        elif r.result == COUNTEREXAMPLE:
-            res = "[red]counterexample[/]"
-        else:
-            res = f"[red]{escape(r.result)}[/]"
-        prop = f"[bold]{escape(r.name)}[/] {escape(r.property)}"
-        if r.counterexample and show_counterexamples and (not r.ok or r.kind == "bmc"):
-            prop += "\n[dim]" + escape(r.counterexample) + "[/]"
-        table.add_row(prop, escape(r.profile), escape(r.bound), res, f"{r.seconds:.1f}s")
-    bad = [r.name for r in rows if not r.ok]
-    total = sum(r.seconds for r in rows)
-    table.caption = (f"{len(rows) - len(bad)}/{len(rows)} proved, {total:.0f}s of solving"
-                     + (f"; NOT proved: {', '.join(bad)}" if bad else ""))
-    return table
