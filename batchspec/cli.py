@@ -199,6 +199,10 @@ def cmd_generate(args) -> int:
     return 0
 
 
+#: Engines that implement every profile, so ``batchspec fuzz`` spreads over the whole map by default.
+BUILT_IN_ENGINES = ("gpu", "gpu-model", "reference")
+
+
 def cmd_fuzz(args) -> int:
     import dataclasses
     import os
@@ -221,8 +225,10 @@ def cmd_fuzz(args) -> int:
         args.traces = 200
     from spec.config import PROFILES
 
-    if args.profile is not None and args.profile not in PROFILES:
-        err_console.print(f"error: unknown --profile {args.profile!r} (known: {', '.join(sorted(PROFILES))})")
+    if args.profile is None and args.engine in BUILT_IN_ENGINES:
+        args.profile = "all"  # the built-in engines implement every profile: fuzz the whole map
+    if args.profile is not None and args.profile != "all" and args.profile not in PROFILES:
+        err_console.print(f"error: unknown --profile {args.profile!r} (known: all, {', '.join(sorted(PROFILES))})")
         return BAD_INPUT
     knobs = {}
     if args.set:
@@ -412,7 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
     fz.add_argument("--shrink-tries", type=int, default=400, help="replays spent shrinking each finding")
     fz.add_argument("--resume", action="store_true", help="continue the campaign saved in the corpus directory")
     fz.add_argument("--ray", metavar="ADDRESS", help="run the traces on an existing Ray cluster (extra `ray`)")
-    fz.add_argument("--profile", help="fix this profile's knobs in every random trace (naive, static, vllm-v0, orca, tgi, ...)")
+    fz.add_argument("--profile", help="fix this profile's knobs in every random trace (naive, static, vllm-v0, orca, tgi, ...); 'all' rotates "
+                    "through every profile (the default for the built-in engines gpu, gpu-model, reference; otherwise "
+                    "the vllm-v1 family with every knob drawn)")
     fz.add_argument("--set", help="knob=value,... fixed in every random trace, over the profile (e.g. policy=priority)")
     fz.set_defaults(fn=cmd_fuzz)
 

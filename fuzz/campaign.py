@@ -37,6 +37,7 @@ from fuzz.generate import profile_knobs, random_trace
 import fuzz.engines  # noqa: F401  (registers gpu, gpu-model, reference)
 from fuzz.replay import ReplayResult, replay
 from fuzz.shrink import shrink, signature
+from spec.config import PROFILES
 from spec.formats import Trace
 from spec.rules import HITS, all_rules
 
@@ -64,6 +65,22 @@ ROUND = 16  # traces per round: the unit of steering, checkpointing and determin
 
 def trace_seed(campaign_seed: int, index: int) -> int:
     return zlib.crc32(f"{campaign_seed}:{index}".encode())
+
+
+#: ``CampaignConfig.profile`` value that spreads a campaign over the whole map.
+ALL_PROFILES = "all"
+
+
+def trace_profile(profile: str | None, k: int) -> str | None:
+    """The profile trace ``k`` of a campaign is drawn for.  Under :data:`ALL_PROFILES`
+    half the traces are the default ``vllm-v1`` family (``None``: every knob drawn and
+    steered, k % 4 in {0, 1}) and the other half cycle through every other profile."""
+    if profile != ALL_PROFILES:
+        return profile
+    if k % 4 < 2:
+        return None
+    others = sorted(p for p in PROFILES if p != "vllm-v1")
+    return others[(k // 4 * 2 + k % 4 - 2) % len(others)]
 
 
 def steer(uncovered: list[str], index: int, profile: str | None = None) -> dict[str, Any]:
@@ -293,7 +310,7 @@ class CampaignConfig:
     resume: bool = False
     ray: str | None = None
     stop_on_finding: bool = False  # end after the round that found the first finding
-    profile: str | None = None  # fix this profile's knobs in every trace (fuzz.generate.random_trace(profile=))
+    profile: str | None = None  # fix this profile's knobs in every trace (fuzz.generate.random_trace(profile=)); "all": rotate
     knobs: dict[str, Any] = field(default_factory=dict)  # fixed in every trace, over the profile's and steering's
 
 
@@ -346,7 +363,7 @@ def _round_tasks(cfg: CampaignConfig, state: CampaignState, all_rules: list[str]
     tasks = []
     for k in range(state.next_round * ROUND, state.next_round * ROUND + budget):
         index = k * n + i
-        tasks.append(Task(index, trace_seed(cfg.seed, index), {**steer(uncovered, k, cfg.profile), **cfg.knobs}, cfg.engine, cfg.level,
+        tasks.append(Task(index, trace_seed(cfg.seed, index), {**steer(uncovered, k, trace_profile(cfg.profile, k)), **cfg.knobs}, cfg.engine, cfg.level,
                           cfg.shrink_tries))
     return tasks
 

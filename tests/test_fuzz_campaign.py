@@ -113,3 +113,14 @@ def test_every_steering_option_yields_a_valid_trace():
     for options in STEERING.values():
         for seed in range(20):
             resolve(random_trace(seed, **options).config)  # raises ConfigError on a bad combination
+
+
+def test_profile_all_spreads_a_campaign_over_the_whole_map():
+    from fuzz.campaign import ALL_PROFILES, trace_profile
+    from spec.config import PROFILES
+
+    picks = [trace_profile(ALL_PROFILES, k) for k in range(4 * len(PROFILES))]
+    assert picks.count(None) == len(picks) // 2  # half: the vllm-v1 family, steered and unsteered
+    assert {p for p in picks if p} == set(PROFILES) - {"vllm-v1"}
+    assert {k % 2 for k, p in enumerate(picks) if p is None} == {0, 1}  # steering still reaches the default family
+    assert trace_profile("tgi", 7) == "tgi" and trace_profile(None, 7) is None
