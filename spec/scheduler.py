@@ -166,8 +166,8 @@ def never_fits(prompt_len: int, max_tokens: int, cfg: SchedulerConfig) -> bool:
     a ``max_model_len`` the cache cannot hold at start-up.
 
     Under admission="estimate" a request is also rejected if it could fail
-    ESTIMATE.ADMIT in an empty engine: with ``o = min(max_tokens, max_model_len -
-    prompt) - 1`` outputs (the most it can have when retracted), ``prompt + o +
+    ESTIMATE.ADMIT in an empty engine: with ``o = max(min(max_tokens, max_model_len -
+    prompt) - 1, 0)`` outputs (the most it can have when retracted), ``prompt + o +
     min(max_tokens - o, clip_max_new_tokens) + block_size >= usable_blocks x
     block_size``.  SGLang would leave such a request waiting forever.
     """
