@@ -468,7 +468,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run(build_parser().parse_args(argv))
+
+
+def run(args) -> int:
+    """Run a parsed command, mapping its errors to the exit codes: 2 bad input, 1 a finding."""
     try:
         return args.fn(args)
     except FormatError as e:

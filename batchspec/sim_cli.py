@@ -475,23 +475,10 @@ def build_parser():
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one of the four commands with ``batchspec.cli``'s exit codes."""
-    from spec.io import FormatError
-    from spec.protocol import StepLimitError
-    from spec.simulate import StallError
+    """Run one of these commands with ``batchspec.cli``'s exit codes."""
+    from batchspec.cli import run
 
-    args = build_parser().parse_args(argv)
-    try:
-        return args.fn(args)
-    except FormatError as e:
-        err_console.print(f"[red]error:[/] {e}", highlight=False)
-        return BAD_INPUT
-    except ConfigError as e:
-        err_console.print(f"[red]error:[/] config: {e}", highlight=False)
-        return BAD_INPUT
-    except (StepLimitError, StallError) as e:
-        err_console.print(f"[red]error:[/] {e}", highlight=False)
-        return 1
+    return run(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":
