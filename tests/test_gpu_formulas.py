@@ -104,20 +104,19 @@ def test_blocks_return_with_their_last_holder(arr, holders, nvict):
     assert listify(F.freed_by_position(arr(position) * 1, arr(last) * 1, nvict)) == expect
 
 
-@pytest.mark.parametrize("arr", BACKENDS)
-@given(cands=st.lists(st.tuples(st.integers(1, 60), st.integers(0, 3), st.integers(0, 3)), min_size=1, max_size=8),
-       budget=st.integers(1, 80), free=st.integers(0, 30), watermark=st.integers(0, 4), running=st.integers(0, 2),
-       cap=st.integers(0, 20), chunked=st.booleans(), full_isl=st.booleans(), bs=st.sampled_from([1, 2, 4, 16]),
-       mml=st.integers(8, 80))
-def test_admission_walk(arr, cands, budget, free, watermark, running, cap, chunked, full_isl, bs, mml):
-    ntok, nhit, evict = [], [], []
-    for t, h, e in cands:
+def admission_walk(cands, budget, free, watermark, running, cap, chunked, full_isl, bs, mml):
+    """vLLM's phase-2 loop over a known window of (tokens, hit blocks, evictable hits, reserve) candidates;
+    a reserve ``R > 0`` (kv_reservation="full") allocates at least ``R`` slots and skips the whole-sequence check.
+    Returns the clamped columns and how many are admitted."""
+    ntok, nhit, evict, reserve = [], [], [], []
+    for t, h, e, r in cands:
         h = min(h, (t - 1) // bs)
         ntok.append(t)
         nhit.append(h)
         evict.append(min(e, h))
-    count, left, f = 0, budget, free  # vLLM's phase-2 loop over a known window
-    for j, (t, h, e) in enumerate(zip(ntok, nhit, evict)):
+        reserve.append(min(r, mml - 1))
+    count, left, f = 0, budget, free
+    for j, (t, h, e, r) in enumerate(zip(ntok, nhit, evict, reserve)):
         if left <= 0:
             break
         k = h * bs
@@ -128,14 +127,25 @@ def test_admission_walk(arr, cands, budget, free, watermark, running, cap, chunk
             break
         n = min(n, left)
         wm = watermark if running + j > 0 else 0
-        if full_isl and max(cdiv(min(t, mml), bs) - h, 0) + e + wm > f:
+        if full_isl and not r and max(cdiv(min(t, mml), bs) - h, 0) + e + wm > f:
             break
-        need = max(cdiv(min(k + n, mml), bs) - h, 0) + e
+        need = max(cdiv(max(min(k + n, mml), r), bs) - h, 0) + e
         if need + wm > f:
             break
         f -= need
         left -= n
         count += 1
+    return ntok, nhit, evict, reserve, count
+
+
+@pytest.mark.parametrize("arr", BACKENDS)
+@given(cands=st.lists(st.tuples(st.integers(1, 60), st.integers(0, 3), st.integers(0, 3)), min_size=1, max_size=8),
+       budget=st.integers(1, 80), free=st.integers(0, 30), watermark=st.integers(0, 4), running=st.integers(0, 2),
+       cap=st.integers(0, 20), chunked=st.booleans(), full_isl=st.booleans(), bs=st.sampled_from([1, 2, 4, 16]),
+       mml=st.integers(8, 80))
+def test_admission_walk(arr, cands, budget, free, watermark, running, cap, chunked, full_isl, bs, mml):
+    ntok, nhit, evict, _, count = admission_walk([c + (0,) for c in cands], budget, free, watermark, running, cap,
+                                                 chunked, full_isl, bs, mml)
     got, n, need = F.admission(arr(ntok) * 1, arr(nhit) * bs, arr(nhit) * 1, arr(evict) * 1, budget=budget, free=free,
                                watermark=watermark, num_running=running, cap=cap, chunked=chunked,
                                full_isl=full_isl, block_size=bs, max_model_len=mml)
@@ -199,33 +209,8 @@ def test_stop_codes_follow_vllm_order(arr):
 def test_admission_walk_with_reservation(arr, cands, budget, free, watermark, running, cap, chunked, full_isl, bs, mml):
     """kv_reservation="full": each candidate's allocation covers at least its reservation
     ``R`` slots, and the whole-sequence check is skipped where ``R > 0``."""
-    ntok, nhit, evict, reserve = [], [], [], []
-    for t, h, e, r in cands:
-        h = min(h, (t - 1) // bs)
-        ntok.append(t)
-        nhit.append(h)
-        evict.append(min(e, h))
-        reserve.append(min(r, mml - 1))
-    count, left, f = 0, budget, free
-    for j, (t, h, e, r) in enumerate(zip(ntok, nhit, evict, reserve)):
-        if left <= 0:
-            break
-        k = h * bs
-        n = t - k
-        if 0 < cap < n:
-            n = cap
-        if not chunked and n > left:
-            break
-        n = min(n, left)
-        wm = watermark if running + j > 0 else 0
-        if full_isl and not r and max(cdiv(min(t, mml), bs) - h, 0) + e + wm > f:
-            break
-        need = max(cdiv(max(min(k + n, mml), r), bs) - h, 0) + e
-        if need + wm > f:
-            break
-        f -= need
-        left -= n
-        count += 1
+    ntok, nhit, evict, reserve, count = admission_walk(cands, budget, free, watermark, running, cap, chunked,
+                                                       full_isl, bs, mml)
     got, n, need = F.admission(arr(ntok) * 1, arr(nhit) * bs, arr(nhit) * 1, arr(evict) * 1, budget=budget, free=free,
                                watermark=watermark, num_running=running, cap=cap, chunked=chunked,
                                full_isl=full_isl, block_size=bs, max_model_len=mml, reserve=arr(reserve) * 1)
