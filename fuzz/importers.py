@@ -231,24 +231,23 @@ def read_azure(path: str, opts: ImportOptions, report: ImportReport) -> list[Row
     return rows
 
 
-def read_burstgpt(path: str, opts: ImportOptions, report: ImportReport) -> list[Row]:
+def _read_timed_csv(path: str, opts: ImportOptions, time: str, prompt: str, output: str) -> list[Row]:
+    """A CSV with arrival seconds and prompt / output token counts in the named columns."""
     rows = []
-    for index, line, r in _csv_rows(path, ("Timestamp", "Request tokens", "Response tokens")):
-        rows.append(Row(index, line, _float(r["Timestamp"], path, line, "Timestamp"),
-                        _int(r["Request tokens"], path, line, "Request tokens", whole_float=True),
-                        _int(r["Response tokens"], path, line, "Response tokens", whole_float=True, limit=LIMITS["max_tokens"]),
+    for index, line, r in _csv_rows(path, (time, prompt, output)):
+        rows.append(Row(index, line, _float(r[time], path, line, time),
+                        _int(r[prompt], path, line, prompt, whole_float=True),
+                        _int(r[output], path, line, output, whole_float=True, limit=LIMITS["max_tokens"]),
                         _tenant(r, opts, path, line)))
     return rows
+
+
+def read_burstgpt(path: str, opts: ImportOptions, report: ImportReport) -> list[Row]:
+    return _read_timed_csv(path, opts, "Timestamp", "Request tokens", "Response tokens")
 
 
 def read_vidur(path: str, opts: ImportOptions, report: ImportReport) -> list[Row]:
-    rows = []
-    for index, line, r in _csv_rows(path, ("arrived_at", "num_prefill_tokens", "num_decode_tokens")):
-        rows.append(Row(index, line, _float(r["arrived_at"], path, line, "arrived_at"),
-                        _int(r["num_prefill_tokens"], path, line, "num_prefill_tokens", whole_float=True),
-                        _int(r["num_decode_tokens"], path, line, "num_decode_tokens", whole_float=True, limit=LIMITS["max_tokens"]),
-                        _tenant(r, opts, path, line)))
-    return rows
+    return _read_timed_csv(path, opts, "arrived_at", "num_prefill_tokens", "num_decode_tokens")
 
 
 def read_lengths(path: str, opts: ImportOptions, report: ImportReport) -> list[Row]:
