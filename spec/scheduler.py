@@ -791,6 +791,18 @@ class SpecEngine:
                     out.reasons.append(reason(BUDGET_EXHAUSTED, req.request_id, "not reached: token budget spent"))
         return budget
 
+    def _no_room_to_join(self, out: SchedulerOutput, rid: str, budget: int, what: str) -> bool:
+        """Nothing more joins the batch this step once the token budget is spent
+        (BUDGET.EXHAUSTED) or max_num_seqs requests run (ADMIT.MAX_NUM_SEQS); the
+        reason is recorded against ``rid``, the request that was next in line."""
+        if budget <= 0:
+            out.reasons.append(reason(BUDGET_EXHAUSTED, rid, f"{what}: token budget spent"))
+            return True
+        if len(self.running) >= self.config.max_num_seqs:
+            out.reasons.append(reason(ADMIT_MAX_SEQS, rid, f"{len(self.running)} running = max_num_seqs"))
+            return True
+        return False
+
     def _schedule_waiting(
         self, out: SchedulerOutput, scheduled: dict[str, int], start: dict[str, int], budget: int, cap: int
     ) -> int:
@@ -800,11 +812,7 @@ class SpecEngine:
         while len(self.waiting):
             req = self.waiting.peek()
             rid = req.request_id
-            if budget <= 0:
-                out.reasons.append(reason(BUDGET_EXHAUSTED, rid, "head not admitted: token budget spent"))
-                break
-            if len(self.running) >= cfg.max_num_seqs:
-                out.reasons.append(reason(ADMIT_MAX_SEQS, rid, f"{len(self.running)} running = max_num_seqs"))
+            if self._no_room_to_join(out, rid, budget, "head not admitted"):
                 break
             hit_blocks, hit = self.kv.get_computed_blocks(req)
             remaining = req.num_tokens - hit
@@ -854,11 +862,7 @@ class SpecEngine:
         while self.swapped:
             req = self.swapped[0]
             rid = req.request_id
-            if budget <= 0:
-                out.reasons.append(reason(BUDGET_EXHAUSTED, rid, "not swapped in: token budget spent"))
-                break
-            if len(self.running) >= cfg.max_num_seqs:
-                out.reasons.append(reason(ADMIT_MAX_SEQS, rid, f"{len(self.running)} running = max_num_seqs"))
+            if self._no_room_to_join(out, rid, budget, "not swapped in"):
                 break
             n = chunk_size(req.num_tokens - req.num_computed_tokens, cap, budget)
             n = model_len_cap(n, req.num_computed_tokens, cfg)
