@@ -1,14 +1,12 @@
 """batchspec import / simulate / compare / sweep: exit codes, messages, files."""
 import json
-from pathlib import Path
 
 import pytest
 
 from batchspec import sim_cli
 from batchspec.cli import example_path
+from batchspec.data import TRACES
 from spec.io import load_trace
-
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 
 
 def cli(capsys, *argv):
@@ -17,7 +15,6 @@ def cli(capsys, *argv):
     return code, out.out, out.err
 
 
-@pytest.mark.skipif(not TRACES.is_dir(), reason="shared/traces/ not present")
 def test_import_writes_a_valid_trace(tmp_path, capsys):
     out = tmp_path / "burst.jsonl"
     code, stdout, _ = cli(capsys, "import", TRACES / "burstgpt_1_first400.csv", "-o", out, "--set", "num_blocks=4096")

@@ -1,16 +1,13 @@
-"""Importers on the real sample files in shared/traces/, and on bad input."""
+"""Importers on the bundled trace samples (batchspec/data/traces/), and on bad input."""
 import functools
 import json
 import statistics
-from pathlib import Path
 
 import pytest
 
+from batchspec.data import TRACES
 from fuzz.importers import ImportOptions, arrival_process, detect, import_trace, parse_azure_timestamp
 from spec.io import FormatError, load_trace, write_trace
-
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
-pytestmark = pytest.mark.skipif(not TRACES.is_dir(), reason="shared/traces/ not present")
 
 
 @functools.lru_cache(maxsize=None)
