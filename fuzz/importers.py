@@ -27,6 +27,13 @@ produce EOS, so each request generates exactly that many, unless the
 profile's ``max_model_len`` cuts it).  Times are re-based so that the first
 kept request arrives at 0.
 
+Each request carries both clocks, so that every command accepts what an
+import writes: ``arrival_time`` (seconds; what ``simulate``, ``compare`` and
+``sweep`` read) and ``arrival_step = ceil(arrival_time / step_seconds)`` (what
+``run``, ``explain``, ``replay`` and ``fuzz`` read, since they count steps, not
+seconds).  The default of 1 s per step is the inverse of
+:func:`fuzz.sweep.with_arrival_times`, which reads step ``k`` as ``k`` s.
+
 Sampling, in this order (:class:`ImportOptions`): drop failed rows; keep the
 time window ``[start, end)`` (seconds from the source's first row); keep the
 first N; re-base to 0; divide times by the speed-up factor.
@@ -73,6 +80,8 @@ class ImportOptions:
     cv: float = 1.0  # gamma: coefficient of variation of the gaps (1 = Poisson; > 1 burstier)
     seed: int = 0
     keep_token_ids: bool = True  # llmservingsim: keep input_tok_ids as the prompt
+    #: Seconds per step for ``arrival_step`` (the step-by-step commands' clock).
+    step_seconds: float = 1.0
 
 
 @dataclass
@@ -473,6 +482,7 @@ def import_trace(path: str, fmt: str = "auto", opts: ImportOptions | None = None
     report.rows = len(rows)
     rows = _sample(rows, opts, report)
     requests = [_request(r, opts) for r in rows]
+    _check_arrival_steps(requests, opts, path)
     report.requests = len(requests)
     if requests:
         report.span_s = requests[-1].arrival_time - requests[0].arrival_time
@@ -488,6 +498,8 @@ def _check_options(opts: ImportOptions, path: str) -> None:
         raise FormatError(path, 0, "--speedup", f"must be a finite number > 0, got {opts.speedup}")
     if opts.first is not None and opts.first < 1:
         raise FormatError(path, 0, "--first", f"must be >= 1, got {opts.first}")
+    if not opts.step_seconds > 0 or not math.isfinite(opts.step_seconds):
+        raise FormatError(path, 0, "--step-seconds", f"must be a finite number > 0, got {opts.step_seconds}")
     if opts.window is not None and not opts.window[0] < opts.window[1]:
         raise FormatError(path, 0, "--window", f"start must be before end, got {opts.window}")
     try:
@@ -529,13 +541,43 @@ def _sample(rows: list[Row], opts: ImportOptions, report: ImportReport) -> list[
     return kept
 
 
+def arrival_step(seconds: float, step_seconds: float) -> int:
+    """The first step that starts at or after ``seconds`` when each step lasts ``step_seconds``.
+
+    A relative tolerance of 1e-9 absorbs float noise in the division, so that
+    an arrival on a step boundary (0.6 s at 0.2 s per step) is that step, 3,
+    whichever way the quotient rounds.
+    """
+    steps = seconds / step_seconds
+    return max(0, math.ceil(steps - 1e-9 * max(1.0, steps)))
+
+
+def _check_arrival_steps(requests: list[TraceRequest], opts: ImportOptions, path: str) -> None:
+    """Refuse a trace whose last arrival step no step-by-step run could reach.
+
+    ``drive`` stops at the profile's ``max_steps``, and the trace format caps
+    steps at ``LIMITS["steps"]``; a longer trace needs more seconds per step.
+    """
+    if not requests:
+        return
+    last = requests[-1].arrival_step
+    limit = min(resolve(opts.config).max_steps, LIMITS["steps"])
+    if last >= limit:
+        raise FormatError(path, 0, "--step-seconds",
+                          f"the last arrival ({requests[-1].arrival_time:g} s) falls at step {last:,}, beyond "
+                          f"max_steps {limit:,}; give more seconds per step (e.g. --step-seconds "
+                          f"{requests[-1].arrival_time / (limit / 2):.3g}), a shorter --window or --set max_steps=N")
+
+
 def _request(row: Row, opts: ImportOptions) -> TraceRequest:
+    seconds = round(row.time, 9)
     return TraceRequest(
         id=f"r{row.index}",
         prompt_len=row.prompt_len,
         max_tokens=row.output_len,
         prompt=row.prompt,
-        arrival_time=round(row.time, 9),
+        arrival_step=arrival_step(seconds, opts.step_seconds),
+        arrival_time=seconds,
         prefix_group=row.prefix_group if row.prefix_len else None,
         prefix_len=row.prefix_len if row.prefix_group else 0,
         tenant=row.tenant,
