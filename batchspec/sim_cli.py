@@ -210,7 +210,7 @@ def cmd_import(args) -> int:
     config = {"profile": args.profile, **parse_knobs(args.overrides)}
     from dataclasses import replace
 
-    trace, report = import_trace(args.trace, args.format, replace(opts, config=config))
+    trace, report = import_trace(args.trace, args.format, replace(opts, config=config, step_seconds=args.step_seconds))
     if not trace.requests:
         err_console.print(f"[red]error:[/] {args.trace}: no requests left after sampling; nothing written")
         return BAD_INPUT
@@ -426,6 +426,8 @@ def add_parsers(sub) -> None:
     im.add_argument("-o", "--output", required=True, help="the batchspec trace to write (JSON lines)")
     im.add_argument("--profile", default="vllm-v1", help="profile written in the trace header")
     im.add_argument("--set", dest="overrides", default="", help="knob=value,... written in the trace header")
+    im.add_argument("--step-seconds", type=float, default=1.0,
+                    help="seconds per step for arrival_step, the clock of run / replay / fuzz (default 1)")
     im.set_defaults(fn=cmd_import)
 
     sm = sub.add_parser("simulate", help="simulate a trace in modelled time and print its serving metrics")
