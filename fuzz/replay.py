@@ -1,17 +1,24 @@
-"""Differential replay: run a trace through an engine and through the spec, then diff.
+"""Differential replay: run a trace through an engine and the spec in lock step, and diff.
 
-The engine runs first, alone, under :func:`spec.protocol.drive`.  The spec then
-replays the same trace in lock step, **fed with the engine's sampled tokens**
-(``SpecEngine.feed(record.sampled)`` before each of its steps): token values
-matter to scheduling only through stop conditions and prefix hashing, and in a
+Both sides are driven step by step under the contract of :func:`spec.protocol.drive`
+(:class:`Stepper` is that driver, one step at a time): at each step number the
+engine runs first, then the spec runs the same step **fed with the engine's
+sampled tokens** (``SpecEngine.feed(record.sampled)``): token values matter to
+scheduling only through stop conditions and prefix hashing, and in a
 differential run they are an input, not something the spec predicts
 (DESIGN.md §3).  Whether those tokens are *right* is the reference engine's job.
 
-:func:`first_divergence` then reports the first step and field on which the two
-decision logs differ.  A side that does not finish within ``max_steps`` while
-the other does is a divergence of kind ``non-termination`` (both stalling at
-the same step, with the same decisions, is agreement, noted in the result);
-a side that raises is a divergence of kind ``error``.
+The two records of each step are compared as soon as they exist
+(:func:`fuzz.diff.first_divergence`), and the replay **stops at the first
+divergence** (``after`` steps later, for a report's context): a diverging trace
+costs only the steps up to its divergence, which is what shrinking pays for on
+every candidate.  A side that does not finish within ``max_steps`` while the
+other does is a divergence of kind ``non-termination`` (both stalling at the
+same step, with the same decisions, is agreement, noted in the result); a side
+that raises while the trace is driven (``add_request``, ``abort_request``,
+``step``, ``has_unfinished_requests``) is a divergence of kind ``error``, with
+the file and line it raised at.  An engine that cannot be *constructed* is not a
+finding but a harness or input problem (:class:`EngineBuildError`, exit 2).
 :func:`replay_records` diffs the spec against a log recorded earlier.
 
 Engines are made by name through a registry (:func:`register_engine`), so that
@@ -22,7 +29,6 @@ the CLI, the conformance runner and users' adapters share one factory:
 from __future__ import annotations
 
 import sys
-
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -31,7 +37,7 @@ from typing import Callable
 from fuzz.diff import ERROR, NON_TERMINATION, Divergence, first_divergence
 from spec.config import resolve
 from spec.formats import StepRecord, Trace, TraceRequest
-from spec.protocol import Engine, StepLimitError, drive
+from spec.protocol import Engine, arrival_order
 
 EngineFactory = Callable[[Trace], Engine]
 
@@ -42,6 +48,13 @@ class EngineUnavailable(RuntimeError):
 
 class EngineConfigError(ValueError):
     """The engine refuses the trace's configuration (e.g. vLLM's own config validation)."""
+
+
+class EngineBuildError(EngineUnavailable):
+    """The engine's factory raised: a harness or input problem (exit 2), not a finding.
+
+    Only what happens while the trace is driven (adding, aborting, stepping) is the
+    engine's behaviour on the trace; a constructor that raises has not run it."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +105,19 @@ def make_engine(name: str, trace: Trace) -> Engine:
             pass
     if name not in ENGINES:
         raise EngineUnavailable(f"unknown engine {name!r} (known: {', '.join(sorted(ENGINES))})")
-    return ENGINES[name].factory(trace)
+    try:
+        return ENGINES[name].factory(trace)
+    except (EngineUnavailable, EngineConfigError):
+        raise
+    except Exception as e:
+        raise EngineBuildError(f"engine {name!r} could not be constructed: {raised_at(e)}") from e
+
+
+def raised_at(e: BaseException) -> str:
+    """``Type: message at FILE:LINE`` (the innermost frame): how a crash is reported."""
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
+    return f"{type(e).__name__}: {e}{where}"
 
 
 def _spec_factory(trace: Trace) -> Engine:
@@ -118,7 +143,8 @@ class FedSpec:
     recovered from what the driver does: step ``k`` follows step ``k-1``, except
     after an idle gap, when the driver jumps to the arrival step of the requests
     it adds next.  So the step about to run is
-    ``max(previous + 1, latest arrival_step added since)``.
+    ``max(previous + 1, latest arrival_step added since)``.  In a lock-step
+    replay :func:`replay` fills ``tokens[k]`` just before the spec runs step ``k``.
     """
 
     def __init__(self, spec: Engine, engine_records: list[StepRecord]):
@@ -145,32 +171,78 @@ class FedSpec:
         return self.spec.step()
 
 
-@dataclass
-class RunOutcome:
-    """One side's run: its records, and how it ended."""
+class SideError(Exception):
+    """One side raised while its trace was driven; ``step`` is where, ``text`` what and where in the code."""
 
-    records: list[StepRecord]
-    stuck_at: int | None = None  # step at which max_steps was reached
-    error: str | None = None  # the exception, if it raised
-    error_step: int | None = None
+    def __init__(self, step: int, text: str):
+        super().__init__(text)
+        self.step, self.text = step, text
 
 
-def _run(engine: Engine, trace: Trace, max_steps: int) -> RunOutcome:
-    records: list[StepRecord] = []
-    try:
-        return RunOutcome(drive(engine, trace, max_steps, on_step=records.append))
-    except StepLimitError as e:
-        return RunOutcome(e.records, stuck_at=e.step)
-    except Exception as e:  # an engine that crashes on a trace is a finding, not a harness failure
-        tb = traceback.extract_tb(e.__traceback__)
-        where = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
-        step = records[-1].step + 1 if records else 0
-        return RunOutcome(records, error=f"{type(e).__name__}: {e}{where}", error_step=step)
+class Stepper:
+    """:func:`spec.protocol.drive`, one step at a time (same contract: arrivals, then aborts,
+    then ``step()``; idle steps skipped), so that two engines can run in lock step.
+
+    :meth:`next_step` is the number of the step the engine would run next, or ``None``
+    once it has finished; a number ``>= max_steps`` means it hit the step limit there."""
+
+    def __init__(self, engine: Engine, trace: Trace):
+        self.engine = engine
+        self.pending = arrival_order(trace)
+        self.aborts: dict[int, list[str]] = {}
+        for r in trace.requests:
+            if r.abort_at is not None:
+                self.aborts.setdefault(r.abort_at, []).append(r.id)
+        self.i = 0
+        self.step = 0
+
+    def next_step(self) -> int | None:
+        try:
+            busy = self.engine.has_unfinished_requests()
+        except Exception as e:
+            raise SideError(self.step, raised_at(e)) from e
+        if not busy and self.i >= len(self.pending):
+            return None
+        if not busy and self.pending[self.i].arrival_step > self.step:
+            self.step = self.pending[self.i].arrival_step  # nothing to do until the next arrival
+        return self.step
+
+    def run_step(self) -> StepRecord:
+        step = self.step
+        try:
+            while self.i < len(self.pending) and self.pending[self.i].arrival_step <= step:
+                self.engine.add_request(self.pending[self.i])
+                self.i += 1
+            for rid in self.aborts.get(step, ()):
+                self.engine.abort_request(rid)
+            record = self.engine.step()
+            record.step = step
+        except Exception as e:  # an engine that crashes on a trace is a finding, not a harness failure
+            raise SideError(step, raised_at(e)) from e
+        self.step = step + 1
+        return record
+
+
+class RecordedSide:
+    """A decision log recorded earlier, served as a :class:`Stepper` would serve a live engine.
+    A log whose last record is at step ``max_steps - 1`` is taken as a run cut off by the limit."""
+
+    def __init__(self, records: list[StepRecord], max_steps: int):
+        self.records = list(records)
+        self.i = 0
+        self.stuck = max_steps if self.records and self.records[-1].step >= max_steps - 1 else None
+
+    def next_step(self) -> int | None:
+        return self.records[self.i].step if self.i < len(self.records) else self.stuck
+
+    def run_step(self) -> StepRecord:
+        self.i += 1
+        return self.records[self.i - 1]
 
 
 @dataclass
 class ReplayResult:
-    """The outcome of one differential replay."""
+    """The outcome of one differential replay (the records stop shortly after a divergence)."""
 
     trace: Trace
     engine: str
@@ -201,60 +273,103 @@ class ReplayResult:
         return "\n".join([self.summary(), *(f"note: {n}" for n in self.notes)])
 
 
-def _limit_divergence(spec: RunOutcome, eng: RunOutcome, engine: str) -> Divergence | None:
-    """A crash, or a step limit reached by one side only, reported where it happened.
+def _raised(side: str, error: SideError, engine: str) -> Divergence:
+    value = f"raised {error.text}"
+    return Divergence(error.step, f"{side} raised", value if side == "spec" else "ran",
+                      value if side == "engine" else "ran", kind=ERROR, engine=engine)
 
-    When both sides reach ``max_steps`` at the same step they agree (both stall or
-    livelock the same way); :func:`replay` then compares their records and notes it.
-    """
-    for side, out in (("engine", eng), ("spec", spec)):
-        if out.error is not None:
-            value = f"raised {out.error}"
-            return Divergence(out.error_step or 0, f"{side} raised", value if side == "spec" else "ran",
-                              value if side == "engine" else "ran", kind=ERROR, engine=engine)
-    if spec.stuck_at == eng.stuck_at:  # neither stuck, or both at the same step
+
+def _limit(spec_at: int | None, eng_at: int | None, engine: str) -> Divergence | None:
+    """Both sides have finished or hit the step limit: a side stuck where the other is not
+    is a non-termination; both stuck at the same step agree (they stall the same way)."""
+    if spec_at == eng_at:
         return None
-    step = min(s for s in (spec.stuck_at, eng.stuck_at) if s is not None)
-    what = lambda out: f"still running at max_steps={out.stuck_at}" if out.stuck_at is not None else "finished"
-    return Divergence(step, "termination", what(spec), what(eng), kind=NON_TERMINATION, engine=engine)
+    step = min(s for s in (spec_at, eng_at) if s is not None)
+    what = lambda at: f"still running at max_steps={at}" if at is not None else "finished"
+    return Divergence(step, "termination", what(spec_at), what(eng_at), kind=NON_TERMINATION, engine=engine)
 
 
-def _compare(trace: Trace, eng_out: RunOutcome, name: str, level: str, t0: float) -> ReplayResult:
-    """Run the spec fed with the engine's tokens, then diff the two runs."""
+def _lock_step(trace: Trace, eng, name: str, level: str, t0: float, after: int | None) -> ReplayResult:
+    """Drive ``eng`` and the fed spec step by step; compare each step's records as they appear.
+
+    ``after``: steps to go on running once a divergence is found (context for a report);
+    ``None`` runs both sides to the end (a full decision log is wanted)."""
     from spec.scheduler import SpecEngine
 
     max_steps = resolve(trace.config).max_steps
-    spec_out = _run(FedSpec(SpecEngine.from_trace(trace), eng_out.records), trace, max_steps)
-    cut = _limit_divergence(spec_out, eng_out, name)
-    spec_recs, eng_recs = spec_out.records, eng_out.records
-    if cut is not None:  # compare only what both sides ran before the limit or crash
-        spec_recs = [r for r in spec_recs if r.step < cut.step]
-        eng_recs = [r for r in eng_recs if r.step < cut.step]
-    found = first_divergence(spec_recs, eng_recs, level, engine=name) or cut
-    notes = []
-    if found is None and spec_out.stuck_at is not None:
-        notes.append(f"both the spec and {name} reach max_steps={spec_out.stuck_at} with requests unfinished: "
-                     "they stall (or livelock) identically on this trace")
-    return ReplayResult(trace, name, level, eng_out.records, spec_out.records, found, time.perf_counter() - t0, notes)
+    fed = FedSpec(SpecEngine.from_trace(trace), [])
+    spec = Stepper(fed, trace)
+    eng_recs: list[StepRecord] = []
+    spec_recs: list[StepRecord] = []
+    found: Divergence | None = None
+    stop_at: int | None = None  # the last step to run once a divergence is known
+    notes: list[str] = []
+    while True:
+        try:
+            e_next = eng.next_step()
+        except SideError as err:
+            found = found or _raised("engine", err, name)
+            break
+        try:
+            s_next = spec.next_step()
+        except SideError as err:
+            found = found or _raised("spec", err, name)
+            break
+        live = [s for s in (e_next, s_next) if s is not None and s < max_steps]
+        if not live:
+            cut = _limit(s_next, e_next, name)
+            found = found or cut
+            if cut is None and s_next is not None and found is None:
+                notes.append(f"both the spec and {name} reach max_steps={s_next} with requests unfinished: "
+                             "they stall (or livelock) identically on this trace")
+            break
+        k = min(live)
+        if stop_at is not None and k > stop_at:
+            break
+        try:
+            e_rec = eng.run_step() if e_next == k else None
+        except SideError as err:
+            found = found or _raised("engine", err, name)
+            break
+        if e_rec is not None:
+            eng_recs.append(e_rec)
+        if s_next == k:
+            fed.tokens[k] = e_rec.sampled if e_rec is not None else {}
+            try:
+                spec_recs.append(spec.run_step())
+            except SideError as err:
+                found = found or _raised("spec", err, name)
+                break
+        if found is None:
+            found = first_divergence([r for r in spec_recs[-1:] if r.step == k], [e_rec] if e_rec else [], level,
+                                     engine=name)
+            if found is not None:
+                if after is not None:
+                    stop_at = k + after
+                    if after == 0:
+                        break
+    return ReplayResult(trace, name, level, eng_recs, spec_recs, found, time.perf_counter() - t0, notes)
 
 
-def replay(trace: Trace, engine: str | Engine = "vllm", level: str = "exact") -> ReplayResult:
-    """Replay ``trace`` through ``engine`` (a name or an instance) and the spec; diff at ``level``."""
+def replay(trace: Trace, engine: str | Engine = "vllm", level: str = "exact", after: int | None = 0) -> ReplayResult:
+    """Replay ``trace`` through ``engine`` (a name or an instance) and the spec in lock step; diff at ``level``.
+
+    The replay stops ``after`` steps past the first divergence (``None``: runs to the end).
+    Raises :class:`EngineUnavailable` / :class:`EngineBuildError` when the engine cannot be made."""
     t0 = time.perf_counter()
     eng = make_engine(engine, trace) if isinstance(engine, str) else engine
-    eng_out = _run(eng, trace, resolve(trace.config).max_steps)
-    return _compare(trace, eng_out, getattr(eng, "name", str(engine)), level, t0)
+    name = getattr(eng, "name", str(engine))
+    return _lock_step(trace, Stepper(eng, trace), name, level, t0, after)
 
 
-def replay_records(trace: Trace, engine_records: list[StepRecord], level: str = "exact", engine: str = "log") -> ReplayResult:
+def replay_records(trace: Trace, engine_records: list[StepRecord], level: str = "exact", engine: str = "log",
+                   after: int | None = 0) -> ReplayResult:
     """Diff the spec against a decision log recorded earlier (a corpus file, another
     language's engine).  A log whose last record is at step ``max_steps - 1`` is
     taken as a run cut off by the step limit."""
     t0 = time.perf_counter()
     max_steps = resolve(trace.config).max_steps
-    records = list(engine_records)
-    stuck = max_steps if records and records[-1].step >= max_steps - 1 else None
-    return _compare(trace, RunOutcome(records, stuck_at=stuck), engine, level, t0)
+    return _lock_step(trace, RecordedSide(engine_records, max_steps), engine, level, t0, after)
 
 
 def replay_command(trace_path: str, engine: str = "vllm", level: str = "exact",
@@ -262,9 +377,10 @@ def replay_command(trace_path: str, engine: str = "vllm", level: str = "exact",
                    engine_log: str | None = None) -> int:
     """``batchspec replay TRACE --engine NAME --level L``: print the verdict.
 
-    Exit status: 0 the spec and the engine agree, 1 they diverge, 2 bad input
-    (an unreadable trace or config, a configuration the engine refuses, an
-    engine that is not installed).  ``log_path`` / ``spec_log_path`` write the
+    Exit status: 0 the spec and the engine agree, 1 they diverge (a crash inside a
+    step included), 2 bad input (an unreadable trace or config, a configuration
+    the engine refuses, an engine that is not installed or whose constructor
+    raises).  The replay stops at the first divergence unless a log is asked for.  ``log_path`` / ``spec_log_path`` write the
     engine's and the spec's decision logs.  ``engine_log`` compares against a
     decision log recorded earlier instead of running an engine.
     """
@@ -280,11 +396,12 @@ def replay_command(trace_path: str, engine: str = "vllm", level: str = "exact",
     out, err = Console(), Console(stderr=True)
     try:
         trace = load_trace(trace_path)
+        after = None if (log_path or spec_log_path) else 0  # a log asked for is written whole
         if engine_log:
             log = load_log(engine_log)
-            result = replay_records(trace, log.records, level, engine=log.engine)
+            result = replay_records(trace, log.records, level, engine=log.engine, after=after)
         else:
-            result = replay(trace, engine, level)
+            result = replay(trace, engine, level, after=after)
     except (FormatError, ConfigError, LevelError, EngineUnavailable, EngineConfigError) as e:
         err.print(f"[red]error:[/] {e}", highlight=False)
         return 2
