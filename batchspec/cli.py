@@ -1,11 +1,12 @@
 """The ``batchspec`` command line (argument parsing and printing only).
 
 Exit codes: 0 success (or agreement), 1 a divergence / violation was found,
-2 bad input (the message names file, line and field).
+2 bad input or a harness problem (one line naming the file, line and field, or the option).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib import resources
 from pathlib import Path
@@ -14,7 +15,7 @@ from rich.console import Console
 
 from spec.config import PROFILES, ConfigError
 from spec.formats import DecisionLog
-from spec.io import FormatError, load_trace, write_log
+from spec.io import FormatError, OptionError, check_outputs, load_trace, write_log
 from spec.protocol import StepLimitError
 from spec.invariants import InvariantViolation
 
@@ -22,6 +23,90 @@ console = Console()
 err_console = Console(stderr=True, soft_wrap=True)  # error lines stay whole: they are grepped
 
 BAD_INPUT = 2
+
+DESCRIPTION = """\
+batchspec: an executable specification of LLM-serving schedulers (queueing, continuous
+batching, chunked prefill, paged KV memory, prefix caching, preemption, fairness) and a
+differential oracle for serving engines.
+
+Start with `batchspec run` (the bundled example, step by step), `batchspec explain TRACE ID`
+(why a request waited), `batchspec replay TRACE --engine gpu` (does an engine decide the
+same way?), `batchspec fuzz` (a differential campaign), `batchspec check-log LOG` (an
+engine's own decision log against every invariant) and `batchspec simulate TRACE` (serving
+metrics in modelled time).  `batchspec COMMAND --help` describes each command."""
+
+EPILOG = """\
+exit codes:
+  0  success: the run finished, the spec and the engine agree, the log keeps every invariant
+  1  a finding: a divergence, an invariant violation, a stalled engine, failed proofs
+  2  bad input or a harness problem, reported on one line as FILE:LINE: FIELD: problem
+     (or OPTION: problem); nothing is written
+
+Traces and decision logs are JSON lines; their schemas are in spec/schemas/."""
+
+ENGINE_HELP = ("engine under test: gpu (the built-in engine, scheduler only), gpu-model (with its model), "
+               "reference (the tiny PyTorch model), vllm (vLLM's own scheduler, extra `vllm`), spec, "
+               "or MODULE:FACTORY, a Python callable that returns an engine (e.g. examples.toy_engine:make)")
+LEVEL_HELP = "what is compared: decisions (batches, admissions, finishes), memory (+ block counts), exact (+ block ids)"
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("batchspec")
+    except Exception:  # not installed (run from a checkout): the source says which
+        return "0.1.0+source"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``batchspec run: error: argument --max-rows: ...``), exit 2."""
+
+    def error(self, message: str):
+        self.exit(BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def int_option(minimum: int, maximum: int):
+    """An argparse ``type``: an integer in ``[minimum, maximum]`` (``10.0``, ``nan``, ``1e3`` refused)."""
+    from spec.io import parse_int_value
+
+    def integer(text: str) -> int:
+        try:
+            return parse_int_value(text, "", minimum, maximum)
+        except OptionError as e:
+            raise argparse.ArgumentTypeError(e.problem) from None
+
+    return integer
+
+
+def float_option(minimum: float, maximum: float, exclusive_minimum: bool = True):
+    """An argparse ``type``: a finite number above ``minimum`` (NaN and infinity refused)."""
+    from spec.io import parse_float_value
+
+    def number(text: str) -> float:
+        try:
+            return parse_float_value(text, "", minimum, maximum, exclusive_minimum)
+        except OptionError as e:
+            raise argparse.ArgumentTypeError(e.problem) from None
+
+    return number
+
+
+def text_option(text: str) -> str:
+    """An argparse ``type``: text without control characters."""
+    from spec.io import _CONTROL
+
+    if not text or _CONTROL.search(text):
+        raise argparse.ArgumentTypeError(f"{ascii(text)}: expected non-empty text without control characters")
+    return text
+
+
+#: Option limits shared by the commands (explicit, named in their errors).
+MAX_ROWS = 10_000_000  # --max-rows
+MAX_TRACES = 100_000_000  # --traces
+MAX_SECONDS = 30 * 24 * 3600.0  # --seconds, --timeout: a month
+MAX_WORKERS = 1024  # --workers, --jobs
+MAX_SEED = 2**63 - 1  # --seed
 
 
 def example_path(name: str = "quickstart") -> Path:
@@ -39,6 +124,7 @@ def cmd_run(args) -> int:
     from batchspec.render import outcome_table, step_table
     from spec.scheduler import run
 
+    check_outputs({"--log": args.log}, {"TRACE": _trace_arg(args)})
     trace = load_trace(_trace_arg(args))
     records = run(trace, check_invariants=not args.no_check)
     if args.log:
@@ -184,6 +270,7 @@ def cmd_generate(args) -> int:
 
     from batchspec.render import step_table
 
+    check_outputs({"--log": args.log}, {"TRACE": args.trace})
     try:
         result = cli_generate(args.trace, model=args.model, seed=args.seed, sampling=args.sampling,
                               level=args.level, log_path=args.log)
@@ -217,9 +304,9 @@ def cmd_fuzz(args) -> int:
 
     try:
         i, n = (int(x) for x in args.shard.split("/"))
-        assert 0 <= i < n
+        assert 0 <= i < n <= MAX_TRACES
     except (ValueError, AssertionError):
-        err_console.print(f"error: --shard must be i/n with 0 <= i < n, got {args.shard!r}")
+        err_console.print(f"[red]error:[/] --shard: must be I/N with 0 <= I < N, got {args.shard!r}", highlight=False)
         return BAD_INPUT
     if args.traces is None and args.seconds is None:
         args.traces = 200
@@ -230,20 +317,11 @@ def cmd_fuzz(args) -> int:
     if args.profile is not None and args.profile != "all" and args.profile not in PROFILES:
         err_console.print(f"error: unknown --profile {args.profile!r} (known: all, {', '.join(sorted(PROFILES))})")
         return BAD_INPUT
-    knobs = {}
-    if args.set:
-        from fuzz.sweep import parse_knobs
-        from spec.config import SchedulerConfig
+    from spec.io import parse_knob_settings
 
-        try:
-            knobs = parse_knobs(args.set)
-        except ValueError as e:
-            err_console.print(f"error: --set: {e}")
-            return BAD_INPUT
-        unknown = set(knobs) - {f.name for f in dataclasses.fields(SchedulerConfig)} - {"profile"}
-        if unknown:
-            err_console.print(f"error: --set: unknown knob(s) {', '.join(sorted(unknown))}")
-            return BAD_INPUT
+    knobs = parse_knob_settings(args.set or "", "--set")  # OptionError: exit 2 before any work
+    if os.path.exists(args.corpus) and not os.path.isdir(args.corpus):
+        raise OptionError("--corpus", f"{args.corpus} is not a directory")
     cfg = CampaignConfig(seed=args.seed, engine=args.engine, level=args.level, traces=args.traces, seconds=args.seconds,
                          workers=args.workers or os.cpu_count() or 1, shard=(i, n), corpus=args.corpus,
                          timeout=args.timeout, shrink_tries=args.shrink_tries, resume=args.resume, ray=args.ray,
@@ -296,6 +374,14 @@ def cmd_replay(args) -> int:
     import fuzz.engines  # noqa: F401  (registers gpu, gpu-model, reference)
     from fuzz.replay import replay_command
 
+    inputs = {"TRACE": args.trace, "--engine-log": args.engine_log}
+    check_outputs({"--log": args.log, "--spec-log": args.spec_log}, inputs)
+    for option, path in inputs.items():
+        if path:
+            from spec.io import check_input_file
+
+            check_input_file(path)
+
     return replay_command(args.trace, args.engine, args.level, log_path=args.log, spec_log_path=args.spec_log,
                           json_out=args.json, engine_log=args.engine_log)
 
@@ -303,6 +389,10 @@ def cmd_replay(args) -> int:
 def cmd_conform(args) -> int:
     import fuzz.engines  # noqa: F401
     from fuzz.conform import conform_command
+
+    check_outputs({"--json": args.json}, {})
+    if args.save_divergent and os.path.exists(args.save_divergent) and not os.path.isdir(args.save_divergent):
+        raise OptionError("--save-divergent", f"{args.save_divergent} is not a directory")
 
     return conform_command(args.engine, args.traces, args.seed, args.level, args.workers, args.json, args.markdown,
                            args.save_divergent, progress=not args.no_progress)
@@ -358,117 +448,147 @@ def cmd_docs(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="batchspec", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
+def _examples() -> list[str]:
+    return sorted(p.name[: -len(".jsonl")] for p in resources.files("batchspec").joinpath("examples").iterdir()
+                  if p.name.endswith(".jsonl"))
 
-    run = sub.add_parser("run", help="run a trace through the spec and print the step table")
-    run.add_argument("trace", nargs="?", help="trace file (JSON lines)")
-    run.add_argument("--example", default="quickstart", help="bundled example to run when no trace is given")
-    run.add_argument("--log", help="write the decision log (exact level, with reasons) to this file")
-    run.add_argument("--max-rows", type=int, default=None, help="print at most this many steps")
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="batchspec", description=DESCRIPTION, epilog=EPILOG,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"batchspec {_version()}",
+                   help="print the installed version and exit")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                           parser_class=Parser)
+    rows = int_option(1, MAX_ROWS)
+    seed = int_option(0, MAX_SEED)
+    workers = int_option(0, MAX_WORKERS)
+
+    def command(name: str, help_text: str, **kw):
+        return sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".",
+                              epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
+
+    run = command("run", "run a trace through the spec and print the step table")
+    run.add_argument("trace", nargs="?", help="trace file (JSON lines; default: the bundled example)")
+    run.add_argument("--example", default="quickstart", choices=_examples(),
+                     help="bundled example to run when no trace is given (default: quickstart)")
+    run.add_argument("--log", metavar="FILE", help="write the decision log (exact level, with reasons) to this file")
+    run.add_argument("--max-rows", type=rows, default=None, metavar="N", help="print at most N steps")
     run.add_argument("--quiet", action="store_true", help="print nothing but errors")
     run.add_argument("--no-check", action="store_true", help="do not check invariants after every step")
     run.set_defaults(fn=cmd_run)
 
-    ex = sub.add_parser("explain", help="what happened to one request, and why, step by step")
-    ex.add_argument("trace")
-    ex.add_argument("request_id")
+    ex = command("explain", "what happened to one request, and why, step by step")
+    ex.add_argument("trace", help="trace file (JSON lines)")
+    ex.add_argument("request_id", help="the id of the request to follow (as in the trace)")
     ex.set_defaults(fn=cmd_explain)
 
-    cl = sub.add_parser("check-log", help="check every invariant an engine's decision log can show")
-    cl.add_argument("log", help="decision log (JSON lines)")
-    cl.add_argument("--profile", help="profile the engine claims (default: the trace's)")
+    cl = command("check-log", "check every invariant an engine's decision log can show")
+    cl.add_argument("log", help="decision log (JSON lines, spec/schemas/log-*.schema.json)")
+    cl.add_argument("--profile", choices=sorted(PROFILES), metavar="PROFILE",
+                    help="profile the engine claims (default: the trace's); one of " + ", ".join(sorted(PROFILES)))
     cl.add_argument("--trace", help="the trace the log replays (default: the path in the log header)")
-    cl.add_argument("--max-rows", type=int, default=50)
+    cl.add_argument("--max-rows", type=rows, default=50, metavar="N", help="list at most N violations (default 50)")
     cl.set_defaults(fn=cmd_check_log)
 
-    rp = sub.add_parser("replay", help="replay a trace through the spec and an engine; exit 0 agree, 1 diverge, 2 bad input")
-    rp.add_argument("trace")
-    rp.add_argument("--engine", default="gpu", help="gpu (default), gpu-model, reference, vllm, spec")
-    rp.add_argument("--level", choices=("decisions", "memory", "exact"), default="exact")
-    rp.add_argument("--engine-log", help="compare this decision log (written by any engine) instead of running one")
-    rp.add_argument("--log", help="write the engine's decision log here")
-    rp.add_argument("--spec-log", help="write the spec's decision log (with reasons) here")
+    rp = command("replay", "replay a trace through the spec and an engine; exit 0 agree, 1 diverge, 2 bad input")
+    rp.add_argument("trace", help="trace file (JSON lines)")
+    rp.add_argument("--engine", default="gpu", metavar="ENGINE", help=ENGINE_HELP + " (default: gpu)")
+    rp.add_argument("--level", choices=("decisions", "memory", "exact"), default="exact", help=LEVEL_HELP + " (default: exact)")
+    rp.add_argument("--engine-log", metavar="FILE", help="compare this decision log (written by any engine) instead of running one")
+    rp.add_argument("--log", metavar="FILE", help="write the engine's decision log here")
+    rp.add_argument("--spec-log", metavar="FILE", help="write the spec's decision log (with reasons) here")
     rp.add_argument("--json", action="store_true", help="print the verdict as JSON")
     rp.set_defaults(fn=cmd_replay)
 
-    cf = sub.add_parser("conform", help="conformance run: many random traces, agreement by feature area")
-    cf.add_argument("--engine", default="vllm")
-    cf.add_argument("--traces", type=int, default=2000)
-    cf.add_argument("--seed", type=int, default=0)
-    cf.add_argument("--level", choices=("decisions", "memory", "exact"), default="exact")
-    cf.add_argument("--workers", type=int, default=None)
-    cf.add_argument("--json", help="write the report as JSON here")
+    cf = command("conform", "conformance run: many random traces, agreement by feature area")
+    cf.add_argument("--engine", default="vllm", metavar="ENGINE", help=ENGINE_HELP + " (default: vllm)")
+    cf.add_argument("--traces", type=int_option(1, MAX_TRACES), default=2000, metavar="N", help="random traces to run (default 2000)")
+    cf.add_argument("--seed", type=seed, default=0, help="seed of the random traces (default 0)")
+    cf.add_argument("--level", choices=("decisions", "memory", "exact"), default="exact", help=LEVEL_HELP + " (default: exact)")
+    cf.add_argument("--workers", type=workers, default=None, metavar="N", help="worker processes (default: all cores)")
+    cf.add_argument("--json", metavar="FILE", help="write the report as JSON here")
     cf.add_argument("--markdown", action="store_true", help="print the summary as a Markdown table")
     cf.add_argument("--save-divergent", metavar="DIR", help="save each divergent trace here")
-    cf.add_argument("--no-progress", action="store_true")
+    cf.add_argument("--no-progress", action="store_true", help="no progress bar")
     cf.set_defaults(fn=cmd_conform)
 
-    fz = sub.add_parser("fuzz", help="differential fuzz campaign: random traces through the spec and an engine")
-    fz.add_argument("--engine", default="gpu", help="engine under test (gpu, gpu-model, reference, vllm, spec)")
-    fz.add_argument("--level", choices=("decisions", "memory", "exact"), default="exact")
-    fz.add_argument("--traces", type=int, help="trace budget for this shard (default 200 when no --seconds)")
-    fz.add_argument("--seconds", type=float, help="time budget")
-    fz.add_argument("--seed", type=int, default=0, help="campaign seed: same seed, same traces, same findings")
-    fz.add_argument("--workers", type=int, default=0, help="worker processes (default: all cores)")
-    fz.add_argument("--shard", default="0/1", help="i/n: run the traces k with k %% n == i")
-    fz.add_argument("--corpus", default="findings", help="directory for findings and the campaign state")
-    fz.add_argument("--timeout", type=float, default=60.0, help="seconds per trace before it counts as a hang")
-    fz.add_argument("--shrink-tries", type=int, default=400, help="replays spent shrinking each finding")
+    fz = command("fuzz", "differential fuzz campaign: random traces through the spec and an engine")
+    fz.add_argument("--engine", default="gpu", metavar="ENGINE", help=ENGINE_HELP + " (default: gpu)")
+    fz.add_argument("--level", choices=("decisions", "memory", "exact"), default="exact", help=LEVEL_HELP + " (default: exact)")
+    fz.add_argument("--traces", type=int_option(1, MAX_TRACES), metavar="N",
+                    help="trace budget for this shard (default 200 when no --seconds)")
+    fz.add_argument("--seconds", type=float_option(0, MAX_SECONDS), metavar="S", help="time budget in seconds (> 0)")
+    fz.add_argument("--seed", type=seed, default=0, help="campaign seed: same seed, same traces, same findings")
+    fz.add_argument("--workers", type=workers, default=0, metavar="N", help="worker processes (default 0: all cores)")
+    fz.add_argument("--shard", default="0/1", metavar="I/N", help="run the traces k with k %% N == I (default 0/1)")
+    fz.add_argument("--corpus", default="findings", metavar="DIR", help="directory for findings and the campaign state (default: findings)")
+    fz.add_argument("--timeout", type=float_option(0, MAX_SECONDS), default=60.0, metavar="S",
+                    help="seconds per trace before it counts as a hang (default 60)")
+    fz.add_argument("--shrink-tries", type=int_option(0, 1_000_000), default=400, metavar="N",
+                    help="replays spent shrinking each finding (default 400)")
     fz.add_argument("--resume", action="store_true", help="continue the campaign saved in the corpus directory")
     fz.add_argument("--ray", metavar="ADDRESS", help="run the traces on an existing Ray cluster (extra `ray`)")
-    fz.add_argument("--profile", help="fix this profile's knobs in every random trace (naive, static, vllm-v0, orca, tgi, ...); 'all' rotates "
+    fz.add_argument("--profile", metavar="PROFILE", choices=["all", *sorted(PROFILES)],
+                    help="fix this profile's knobs in every random trace (" + ", ".join(sorted(PROFILES)) + "); 'all' rotates "
                     "through every profile (the default for the built-in engines gpu, gpu-model, reference; otherwise "
                     "the vllm-v1 family with every knob drawn)")
-    fz.add_argument("--set", help="knob=value,... fixed in every random trace, over the profile (e.g. policy=priority)")
+    fz.add_argument("--set", metavar="KNOB=VALUE,...",
+                    help="knobs fixed in every random trace, over the profile (e.g. policy=priority); "
+                    "`batchspec profiles` lists the knobs")
     fz.set_defaults(fn=cmd_fuzz)
 
-    inv = sub.add_parser("invariants", help="list the invariant catalogue")
+    inv = command("invariants", "list the invariant catalogue")
     inv.set_defaults(fn=cmd_invariants)
 
-    pv = sub.add_parser("prove", help="Z3 proofs (a table of property, bound, result, time), or a Hypothesis campaign")
+    pv = command("prove", "Z3 proofs (a table of property, bound, result, time), or a Hypothesis campaign")
     pv.add_argument("--bound", choices=["ci", "long"], default="ci",
                     help="proof sizes: ci (default, a few minutes) or long (larger bounds, much slower)")
     pv.add_argument("--long", action="store_true", help="same as --bound long")
-    pv.add_argument("--only", action="append", metavar="NAME",
+    pv.add_argument("--only", action="append", metavar="NAME", type=text_option,
                     help="run only the proofs with this name or prefix (repeatable: --only mem --only tv.admission)")
     pv.add_argument("--list", action="store_true", help="list the proof names and exit")
     pv.add_argument("--trace-dir", metavar="DIR",
                     help="where bounded model checking writes its witness traces (default: $TMPDIR/batchspec-prove)")
-    pv.add_argument("--jobs", type=int, default=0, help="worker processes (default: min(4, CPUs))")
+    pv.add_argument("--jobs", type=workers, default=0, metavar="N", help="worker processes (default 0: min(4, CPUs))")
     pv.add_argument("--hypothesis", action="store_true", help="run the Hypothesis stateful machine instead")
-    pv.add_argument("--examples", type=int, default=500, help="examples per profile with --hypothesis")
+    pv.add_argument("--examples", type=int_option(1, MAX_TRACES), default=500, metavar="N",
+                    help="examples per profile with --hypothesis (default 500)")
     pv.set_defaults(fn=cmd_prove)
 
-    gen = sub.add_parser("generate", help="run a trace through the reference engine on the tiny model")
-    gen.add_argument("trace")
-    gen.add_argument("--model", help="local folder with config.json + model.safetensors (default: seeded tiny model)")
-    gen.add_argument("--seed", type=int, default=0, help="weight seed for the tiny model")
-    gen.add_argument("--sampling", help="e.g. temperature=0.8,top_p=0.9,seed=1 (default: greedy)")
-    gen.add_argument("--level", choices=("decisions", "memory"), default="memory")
-    gen.add_argument("--log", help="write the decision log (with sampled tokens) here")
-    gen.add_argument("--max-rows", type=int, default=None)
+    gen = command("generate", "run a trace through the reference engine on the tiny model")
+    gen.add_argument("trace", help="trace file (JSON lines)")
+    gen.add_argument("--model", metavar="DIR", help="local folder with config.json + model.safetensors (default: seeded tiny model)")
+    gen.add_argument("--seed", type=seed, default=0, help="weight seed for the tiny model (default 0)")
+    gen.add_argument("--sampling", metavar="SPEC", help="greedy (default) or e.g. temperature=0.8,top_k=50,top_p=0.9,seed=1")
+    gen.add_argument("--level", choices=("decisions", "memory"), default="memory", help="decision log level (default: memory)")
+    gen.add_argument("--log", metavar="FILE", help="write the decision log (with sampled tokens) here")
+    gen.add_argument("--max-rows", type=rows, default=None, metavar="N", help="print at most N steps")
     gen.add_argument("--quiet", action="store_true", help="omit the step table")
     gen.set_defaults(fn=cmd_generate)
 
     from batchspec import sim_cli
 
-    sim_cli.add_parsers(sub)  # import, simulate, compare, sweep, calibrate
+    sim_cli.add_parsers(sub, command)  # import, simulate, compare, sweep, calibrate
 
-    dc = sub.add_parser("docs", help="generate the reference semantics docs from the spec (semantics, profiles, examples)")
-    dc.add_argument("--out", default="docs", help="docs directory (default: docs)")
+    dc = command("docs", "generate the reference semantics docs from the spec (semantics, profiles, examples)")
+    dc.add_argument("--out", default="docs", metavar="DIR", help="docs directory (default: docs)")
     dc.add_argument("--check", action="store_true", help="write nothing; exit 1 listing the files that differ")
     dc.set_defaults(fn=cmd_docs)
 
-    pr = sub.add_parser("profiles", help="list the profiles and every knob value they fix")
-    pr.add_argument("profile", nargs="?")
+    pr = command("profiles", "list the profiles and every knob value they fix")
+    pr.add_argument("profile", nargs="?", help="show only this profile; one of " + ", ".join(sorted(PROFILES)))
     pr.set_defaults(fn=cmd_profiles)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(build_parser().parse_args(argv))
+    """Parse ``argv`` and run the command; return the exit code (0, 1 or 2; see ``EPILOG``)."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help, --version, or a bad option (one line already printed)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else BAD_INPUT)
+    return run(args)
 
 
 def run(args) -> int:
@@ -481,12 +601,19 @@ def run(args) -> int:
     except ConfigError as e:
         err_console.print(f"[red]error:[/] config: {e}", highlight=False)
         return BAD_INPUT
+    except OptionError as e:
+        err_console.print(f"[red]error:[/] {e}", highlight=False)
+        return BAD_INPUT
     except InvariantViolation as e:
         err_console.print(f"[red]invariant violated:[/] {e}", highlight=False)
         return 1
     except StepLimitError as e:
         err_console.print(f"[red]error:[/] {e}", highlight=False)
         return 1
+    except OSError as e:  # an output that cannot be written (full disk, permissions): a harness problem
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        err_console.print(f"[red]error:[/] {where}{e.strerror or e}", highlight=False)
+        return BAD_INPUT
 
 
 if __name__ == "__main__":

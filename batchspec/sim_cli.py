@@ -16,10 +16,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+import argparse
+
 from spec.config import ConfigError
+from spec.io import OptionError
 
 console = Console()
-if not console.is_terminal:  # piped or captured: wide enough for the sweep tables
+if not console.is_terminal and not os.environ.get("COLUMNS"):  # piped or captured: wide enough for the sweep tables
     console = Console(width=150)
 err_console = Console(stderr=True, soft_wrap=True)
 BAD_INPUT = 2
@@ -30,42 +33,108 @@ BAD_INPUT = 2
 # --------------------------------------------------------------------------
 
 
+#: Largest rate, speed-up or SLO an option may give (per second / factor / seconds).
+MAX_RATE = 1e6
+
+
 def _window(text: str) -> tuple[float, float]:
+    """``START:END`` in seconds (END may be empty: to the end); finite, 0 <= START < END."""
     start, sep, end = text.partition(":")
     try:
         if not sep:
             raise ValueError
-        return float(start or 0), float(end) if end else math.inf
+        lo, hi = float(start or 0), float(end) if end else math.inf
     except ValueError:
-        raise ValueError(f"--window must be START:END in seconds, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected START:END in seconds, got {text!r}") from None
+    if not math.isfinite(lo) or math.isnan(hi) or (end and not math.isfinite(hi)) or not 0 <= lo < hi:
+        raise argparse.ArgumentTypeError(f"expected finite 0 <= START < END, got {text!r}")
+    return lo, hi
 
 
-def _add_trace_args(p, rate_help: str) -> None:
-    p.add_argument("trace", help="a batchspec trace, or any importable file (azure, mooncake, burstgpt, lengths, vidur, llmservingsim)")
-    p.add_argument("--format", default="auto", help="source format when the file is not a batchspec trace (default: detect)")
-    p.add_argument("--first", type=int, help="keep the first N requests")
-    p.add_argument("--window", help="keep arrivals in START:END seconds from the source's start")
-    p.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by this factor")
-    p.add_argument("--rate", type=float, help=rate_help)
-    p.add_argument("--process", choices=("poisson", "gamma"), default="poisson", help="length-only tables: arrival process")
-    p.add_argument("--cv", type=float, default=1.0, help="gamma process: coefficient of variation of the gaps")
-    p.add_argument("--seed", type=int, default=0, help="length-only tables: arrival process seed")
-    p.add_argument("--tenant-column", help="CSV column whose values are the tenants (e.g. Model for BurstGPT)")
+def _rates(text: str) -> list[float]:
+    from spec.io import parse_float_value
+
+    try:
+        rates = [parse_float_value(r, "--rates", 0, MAX_RATE, exclusive_minimum=True) for r in text.split(",")]
+    except OptionError as e:
+        raise argparse.ArgumentTypeError(e.problem) from None
+    if len(rates) > 1000:
+        raise argparse.ArgumentTypeError(f"{len(rates)} rates exceed the limit of 1000")
+    return rates
+
+
+def _knobs_arg(text: str) -> dict:
+    from spec.io import parse_knob_settings
+
+    try:
+        return parse_knob_settings(text, "--set", allow_profile=False)
+    except OptionError as e:
+        raise argparse.ArgumentTypeError(e.problem if e.option == "--set" else f"{e.option.split()[-1]}: {e.problem}") from None
+
+
+def _slo_arg(text: str) -> dict[str, float]:
+    from spec.io import parse_float_value
+
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, value = part.partition("=")
+        if not eq:
+            raise argparse.ArgumentTypeError(f"expected ttft=S,tpot=S,e2e=S, got {part!r}")
+        if name.strip() not in ("ttft", "tpot", "e2e"):
+            raise argparse.ArgumentTypeError(f"unknown SLO {name.strip()!r} (known: ttft, tpot, e2e)")
+        try:
+            out[name.strip()] = parse_float_value(value, name.strip(), 0, MAX_RATE, exclusive_minimum=True)
+        except OptionError as e:
+            raise argparse.ArgumentTypeError(f"{e.option}: {e.problem}") from None
+    return out
+
+
+def _plot_path(text: str) -> str:
+    if Path(text).suffix.lower() not in (".png", ".svg"):
+        raise argparse.ArgumentTypeError(f"{text}: plots are written as .png or .svg")
+    return text
+
+
+def _add_trace_args(p, rate_help: str, formats: tuple[str, ...] = ("auto", "batchspec")) -> None:
+    from batchspec.cli import float_option, int_option, text_option
+    from fuzz.importers import FORMATS
+    from spec.formats import LIMITS
+
+    choices = (*formats, *FORMATS)
+    p.add_argument("trace", help="a batchspec trace, or any importable file (" + ", ".join(FORMATS) + ")")
+    p.add_argument("--format", default="auto", choices=choices, metavar="FORMAT",
+                   help="source format: " + ", ".join(choices) + " (default: auto, detected from the first line)")
+    p.add_argument("--first", type=int_option(1, LIMITS["requests"]), metavar="N", help="keep the first N requests")
+    p.add_argument("--window", type=_window, metavar="START:END", help="keep arrivals in START:END seconds from the source's start")
+    p.add_argument("--speedup", type=float_option(0, MAX_RATE), default=1.0, metavar="X",
+                   help="divide arrival times by this factor (> 0, default 1)")
+    p.add_argument("--rate", type=float_option(0, MAX_RATE), metavar="R", help=rate_help)
+    p.add_argument("--process", choices=("poisson", "gamma"), default="poisson",
+                   help="length-only tables: arrival process, poisson (default) or gamma")
+    p.add_argument("--cv", type=float_option(0, 1000.0), default=1.0, metavar="CV",
+                   help="gamma process: coefficient of variation of the gaps (> 0, default 1)")
+    p.add_argument("--seed", type=int_option(0, 2**63 - 1), default=0, help="length-only tables: arrival process seed (default 0)")
+    p.add_argument("--tenant-column", type=text_option, metavar="COLUMN",
+                   help="CSV column whose values are the tenants (e.g. Model for BurstGPT)")
 
 
 def _add_sim_args(p) -> None:
-    p.add_argument("--cost-model", default="h200-llama-8b-bf16",
-                   help="a preset (h200-llama-8b-bf16, a100-40gb-llama2-7b-fp16, unit) or a JSON file from calibration")
-    p.add_argument("--set", dest="overrides", default="", help="knob=value,... applied to every run (e.g. num_blocks=4096)")
-    p.add_argument("--slo", default="", help="goodput SLOs in seconds, e.g. ttft=2,tpot=0.1,e2e=30")
-    p.add_argument("--json", help="write the metrics as JSON to this file")
+    from spec.costmodel import PRESETS
+
+    p.add_argument("--cost-model", default="h200-llama-8b-bf16", metavar="NAME|FILE",
+                   help="a preset (" + ", ".join(PRESETS) + "; default h200-llama-8b-bf16) or a JSON file from `batchspec calibrate`")
+    p.add_argument("--set", dest="overrides", default={}, type=_knobs_arg, metavar="KNOB=VALUE,...",
+                   help="knobs applied to every run (e.g. num_blocks=4096)")
+    p.add_argument("--slo", default={}, type=_slo_arg, metavar="ttft=S,tpot=S,e2e=S",
+                   help="goodput SLOs in seconds, e.g. ttft=2,tpot=0.1,e2e=30")
+    p.add_argument("--json", metavar="FILE", help="write the metrics as JSON to this file")
 
 
 def _import_options(args, rate_default: float | None = None):
     from fuzz.importers import ImportOptions
 
     return ImportOptions(
-        speedup=args.speedup, first=args.first, window=_window(args.window) if args.window else None,
+        speedup=args.speedup, first=args.first, window=args.window,
         tenant_column=args.tenant_column, rate=args.rate or rate_default, process=args.process, cv=args.cv, seed=args.seed,
     )
 
@@ -74,7 +143,9 @@ def _load(args, rate_default: float | None = None):
     """The trace (imported in memory if needed), with arrival times in seconds."""
     from fuzz.importers import detect, load_any
     from fuzz.sweep import with_arrival_times
+    from spec.io import check_input_file
 
+    check_input_file(args.trace)  # a directory or a FIFO is refused before a reader opens it
     fmt = detect(args.trace) if args.format == "auto" else args.format
     trace, report = load_any(args.trace, fmt, _import_options(args, rate_default if fmt == "lengths" else None))
     if report is not None:
@@ -84,20 +155,35 @@ def _load(args, rate_default: float | None = None):
     return with_arrival_times(trace), fmt
 
 
-def _slos(text: str) -> dict[str, float]:
-    from fuzz.sweep import parse_knobs
-
-    slos = {k: float(v) for k, v in parse_knobs(text).items()}
-    unknown = set(slos) - {"ttft", "tpot", "e2e"}
-    if unknown:
-        raise ValueError(f"--slo: unknown SLO {sorted(unknown)[0]!r} (known: ttft, tpot, e2e)")
-    return slos
+def _slos(slos: dict[str, float]) -> dict[str, float]:
+    return dict(slos)
 
 
 def _cost(args):
-    from fuzz.sweep import load_cost_model
+    """A preset by name, or a cost-model file validated field by field (:func:`spec.costmodel.load_file`)."""
+    from spec.costmodel import PRESETS, load_file
 
-    return load_cost_model(args.cost_model)
+    if args.cost_model in PRESETS:
+        return PRESETS[args.cost_model]
+    if not os.path.exists(args.cost_model) and os.sep not in args.cost_model and not args.cost_model.endswith(".json"):
+        raise OptionError("--cost-model", f"unknown cost model {args.cost_model!r} (presets: {', '.join(PRESETS)}; or a JSON file)")
+    return load_file(args.cost_model)
+
+
+def _check_plots(args, outputs: dict, inputs: dict) -> None:
+    """Refuse, before the simulation runs, outputs that would overwrite an input or a directory,
+    and plots when matplotlib is not installed (the ``plot`` extra)."""
+    from spec.io import check_outputs
+
+    plots = {k: v for k, v in outputs.items() if k not in ("--json", "-o/--output") and v}
+    if os.path.exists(args.cost_model):
+        inputs = {**inputs, "--cost-model": args.cost_model}
+    check_outputs(outputs, inputs)
+    if plots:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise OptionError(next(iter(plots)), "plots need matplotlib, which is not installed (pip install 'batchspec[plot]')")
 
 
 def _write_json(path: str, obj) -> None:
@@ -203,11 +289,12 @@ def metrics_table(columns: dict[str, object], title: str) -> Table:
 @_guarded
 def cmd_import(args) -> int:
     from fuzz.importers import import_trace
-    from fuzz.sweep import parse_knobs
-    from spec.io import write_trace
+    from spec.io import check_input_file, check_outputs, write_trace
 
+    check_outputs({"-o/--output": args.output}, {"TRACE": args.trace})
+    check_input_file(args.trace)
     opts = _import_options(args)
-    config = {"profile": args.profile, **parse_knobs(args.overrides)}
+    config = {"profile": args.profile, **args.overrides}
     from dataclasses import replace
 
     trace, report = import_trace(args.trace, args.format, replace(opts, config=config, step_seconds=args.step_seconds))
@@ -268,36 +355,39 @@ def _plots(args, results: dict, cost) -> None:
 
 @_guarded
 def cmd_simulate(args) -> int:
-    from fuzz.sweep import parse_knobs, parse_profile_spec, run_config
+    from fuzz.sweep import parse_profile_spec, run_config
     from spec.metrics import summarize
     from spec.simulate import scale_to_rate
 
+    _check_plots(args, {"--json": args.json, "--timeline": args.timeline, "--kv-plot": args.kv_plot, "--cdf": args.cdf},
+                 {"TRACE": args.trace})
     trace, fmt = _load(args, rate_default=1.0)
     if args.rate and fmt != "lengths":
         trace = scale_to_rate(trace, args.rate)
     cost = _cost(args)
     spec = parse_profile_spec(args.profile) if args.profile else None
-    config = run_config(trace, spec, cost, parse_knobs(args.overrides))
+    config = run_config(trace, spec, cost, args.overrides)
     label = spec.text if spec else config.profile
     result = _simulate_with_progress(trace, config, cost, label, keep_records=args.timeline_start + args.timeline_steps if args.timeline else 0)
     m = summarize(result, _slos(args.slo))
     console.print(metrics_table({label: m}, f"{Path(args.trace).name} — {label} — cost model {cost.name}"))
-    _plots(args, {label: result}, cost)
-    if args.json:
+    if args.json:  # before the plots: a plotting error never loses the metrics
         _write_json(args.json, {"trace": args.trace, "profile": label, "config": config.to_json(), "cost_model": cost.to_json(), "metrics": m})
+    _plots(args, {label: result}, cost)
     return 0
 
 
 @_guarded
 def cmd_compare(args) -> int:
-    from fuzz.sweep import UnknownProfile, parse_knobs, parse_profile_spec, run_config, split_profiles
+    from fuzz.sweep import UnknownProfile, parse_profile_spec, run_config, split_profiles
     from spec.metrics import summarize
     from spec.simulate import scale_to_rate
 
+    _check_plots(args, {"--json": args.json, "--cdf": args.cdf}, {"TRACE": args.trace})
     trace, fmt = _load(args, rate_default=1.0)
     if args.rate and fmt != "lengths":
         trace = scale_to_rate(trace, args.rate)
-    cost, overrides, slos = _cost(args), parse_knobs(args.overrides), _slos(args.slo)
+    cost, overrides, slos = _cost(args), args.overrides, _slos(args.slo)
     results, metrics = {}, {}
     for text in split_profiles(args.profiles):
         spec = parse_profile_spec(text)
@@ -312,9 +402,9 @@ def cmd_compare(args) -> int:
         err_console.print("[red]error:[/] no profile could be simulated")
         return BAD_INPUT
     console.print(metrics_table(metrics, f"{Path(args.trace).name} — cost model {cost.name}"))
-    _plots(args, results, cost)
-    if args.json:
+    if args.json:  # before the plots: a plotting error never loses the metrics
         _write_json(args.json, {"trace": args.trace, "cost_model": cost.to_json(), "metrics": metrics})
+    _plots(args, results, cost)
     return 0
 
 
@@ -322,15 +412,14 @@ def cmd_compare(args) -> int:
 def cmd_sweep(args) -> int:
     import time
 
-    from fuzz.sweep import capacity, default_rates, parse_knobs, parse_profile_spec, split_profiles, sweep
+    from fuzz.sweep import capacity, default_rates, parse_profile_spec, split_profiles, sweep
 
+    _check_plots(args, {"--json": args.json, **{f"--plot {p}": p for p in args.plot or []}}, {"TRACE": args.trace})
     trace, fmt = _load(args, rate_default=1.0)
-    cost, overrides, slos = _cost(args), parse_knobs(args.overrides), _slos(args.slo)
+    cost, overrides, slos = _cost(args), args.overrides, _slos(args.slo)
     slos.setdefault("ttft", args.slo_ttft)
     specs = [parse_profile_spec(t) for t in split_profiles(args.profiles)]
-    rates = [float(r) for r in args.rates.split(",")] if args.rates else default_rates(trace)
-    if any(not r > 0 for r in rates):
-        raise ValueError(f"--rates must all be > 0, got {args.rates}")
+    rates = args.rates or default_rates(trace)
     t0 = time.perf_counter()
     with _progress("sweep") as bar:
         task = bar.add_task("sweep", total=len(specs) * len(set(rates)), info="")
@@ -384,15 +473,15 @@ def cmd_sweep(args) -> int:
     cpu = sum(p.cpu_s for p in points)
     runs = sum(1 for p in points if p.metrics is not None)
     console.print(f"{runs} simulations in {wall:,.0f} s wall ({cpu:,.0f} s of simulation CPU time, {args.jobs or os.cpu_count()} workers)")
+    if args.json:  # before the plots: a plotting error never loses the points
+        _write_json(args.json, {"trace": args.trace, "cost_model": cost.to_json(), "slo_ttft": args.slo_ttft,
+                                "points": points, "capacity": caps})
     if args.plot:
         from batchspec import plots
 
         for path in args.plot:
             console.print("capacity plot: " + plots.capacity_plot(points, caps, args.slo_ttft, path,
                           title=f"{Path(args.trace).name} — p50/p95/p99 TTFT vs arrival rate — cost model {cost.name}"))
-    if args.json:
-        _write_json(args.json, {"trace": args.trace, "cost_model": cost.to_json(), "slo_ttft": args.slo_ttft,
-                                "points": points, "capacity": caps})
     return 0
 
 
@@ -400,7 +489,10 @@ def cmd_sweep(args) -> int:
 def cmd_calibrate(args) -> int:
     from fuzz.calibrate import fit, load_rows
 
-    result = fit(load_rows(args.rows), name=args.name, knobs=_knobs_or_empty(args.overrides))
+    from spec.io import check_outputs
+
+    check_outputs({"-o/--output": args.output}, {"ROWS": args.rows})
+    result = fit(load_rows(args.rows), name=args.name, knobs=args.overrides)
     _write_json(args.output, result.model.to_json())
     table = Table(title=f"cost model {args.name} fitted to {result.rows:,} steps → {args.output}")
     for col in ("fixed", "per prefill token", "per decode seq", "per KV token read", "R²", "median / max error"):
@@ -413,66 +505,75 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
-def _knobs_or_empty(text: str) -> dict:
-    from fuzz.sweep import parse_knobs
+def add_parsers(sub, command=None) -> None:
+    """Register ``import``, ``simulate``, ``compare``, ``sweep`` and ``calibrate`` on ``batchspec``'s sub-parsers.
 
-    return parse_knobs(text) if text else {}
+    ``command(name, help)`` makes a sub-parser the way ``batchspec.cli`` makes its own (epilog, formatting).
+    """
+    from batchspec.cli import MAX_WORKERS, float_option, int_option, text_option
+    from spec.config import PROFILES
 
-
-def add_parsers(sub) -> None:
-    """Register ``import``, ``simulate``, ``compare``, ``sweep`` and ``calibrate`` on ``batchspec``'s sub-parsers."""
-    im = sub.add_parser("import", help="import a public trace (Azure, Mooncake, BurstGPT, length tables, Vidur, LLMServingSim)")
-    _add_trace_args(im, rate_help="length-only tables: mean arrivals per second of the generated process")
-    im.add_argument("-o", "--output", required=True, help="the batchspec trace to write (JSON lines)")
-    im.add_argument("--profile", default="vllm-v1", help="profile written in the trace header")
-    im.add_argument("--set", dest="overrides", default="", help="knob=value,... written in the trace header")
-    im.add_argument("--step-seconds", type=float, default=1.0,
+    command = command or (lambda name, help_text: sub.add_parser(name, help=help_text, description=help_text))
+    im = command("import", "import a public trace (Azure, Mooncake, BurstGPT, length tables, Vidur, LLMServingSim)")
+    _add_trace_args(im, rate_help="length-only tables: mean arrivals per second of the generated process", formats=("auto",))
+    im.add_argument("-o", "--output", required=True, metavar="FILE", help="the batchspec trace to write (JSON lines)")
+    im.add_argument("--profile", default="vllm-v1", choices=sorted(PROFILES), metavar="PROFILE",
+                    help="profile written in the trace header (default vllm-v1); one of " + ", ".join(sorted(PROFILES)))
+    im.add_argument("--set", dest="overrides", default={}, type=_knobs_arg, metavar="KNOB=VALUE,...",
+                    help="knobs written in the trace header (e.g. num_blocks=4096)")
+    im.add_argument("--step-seconds", type=float_option(0, 3600.0), default=1.0, metavar="S",
                     help="seconds per step for arrival_step, the clock of run / replay / fuzz (default 1)")
     im.set_defaults(fn=cmd_import)
 
-    sm = sub.add_parser("simulate", help="simulate a trace in modelled time and print its serving metrics")
+    sm = command("simulate", "simulate a trace in modelled time and print its serving metrics")
     _add_trace_args(sm, rate_help="scale arrivals to this mean rate (requests/s)")
     _add_sim_args(sm)
-    sm.add_argument("--profile", help="name or name:knob=value,... (default: the trace header's)")
-    sm.add_argument("--timeline", help="write the batch timeline of the first steps (.png or .svg)")
-    sm.add_argument("--timeline-steps", type=int, default=40, help="steps shown by --timeline")
-    sm.add_argument("--timeline-start", type=int, default=0, help="first step shown by --timeline")
-    sm.add_argument("--kv-plot", help="write KV occupancy over time (.png or .svg)")
-    sm.add_argument("--cdf", help="write latency CDFs (.png or .svg)")
+    sm.add_argument("--profile", metavar="PROFILE[:KNOB=VALUE,...]", help="name or name:knob=value,... (default: the trace header's)")
+    sm.add_argument("--timeline", type=_plot_path, metavar="FILE", help="write the batch timeline of the first steps (.png or .svg)")
+    sm.add_argument("--timeline-steps", type=int_option(1, 100_000), default=40, metavar="N", help="steps shown by --timeline (default 40)")
+    sm.add_argument("--timeline-start", type=int_option(0, 10_000_000), default=0, metavar="STEP",
+                    help="first step shown by --timeline (default 0)")
+    sm.add_argument("--kv-plot", type=_plot_path, metavar="FILE", help="write KV occupancy over time (.png or .svg)")
+    sm.add_argument("--cdf", type=_plot_path, metavar="FILE", help="write latency CDFs (.png or .svg)")
     sm.set_defaults(fn=cmd_simulate)
 
-    cp = sub.add_parser("compare", help="simulate a trace under several profiles, side by side")
+    cp = command("compare", "simulate a trace under several profiles, side by side")
     _add_trace_args(cp, rate_help="scale arrivals to this mean rate (requests/s)")
     _add_sim_args(cp)
-    cp.add_argument("--profiles", required=True, help="comma-separated: name or name:knob=value,...")
-    cp.add_argument("--cdf", help="write latency CDFs of every profile (.png or .svg)")
+    cp.add_argument("--profiles", required=True, type=text_option, metavar="P1,P2:KNOB=VALUE,...",
+                    help="comma-separated: name or name:knob=value,...")
+    cp.add_argument("--cdf", type=_plot_path, metavar="FILE", help="write latency CDFs of every profile (.png or .svg)")
     cp.set_defaults(fn=cmd_compare)
 
-    sw = sub.add_parser("sweep", help="sweep arrival rates: TTFT percentiles and the capacity boundary per profile")
+    sw = command("sweep", "sweep arrival rates: TTFT percentiles and the capacity boundary per profile")
     _add_trace_args(sw, rate_help="length-only tables: base rate of the generated process (then scaled)")
     _add_sim_args(sw)
-    sw.add_argument("--profiles", default="vllm-v1", help="comma-separated: name or name:knob=value,...")
-    sw.add_argument("--rates", help="comma-separated arrival rates (default: 10 rates, 1/8x to 64x the trace's own)")
-    sw.add_argument("--slo-ttft", type=float, default=2.0, help="SLO on p99 TTFT in seconds (default 2)")
-    sw.add_argument("--jobs", type=int, default=0, help="worker processes (default: all cores)")
+    sw.add_argument("--profiles", default="vllm-v1", type=text_option, metavar="P1,P2:KNOB=VALUE,...",
+                    help="comma-separated: name or name:knob=value,... (default vllm-v1)")
+    sw.add_argument("--rates", type=_rates, metavar="R1,R2,...",
+                    help="comma-separated arrival rates, each > 0 (default: 10 rates, 1/8x to 64x the trace's own)")
+    sw.add_argument("--slo-ttft", type=float_option(0, MAX_RATE), default=2.0, metavar="S", help="SLO on p99 TTFT in seconds (default 2)")
+    sw.add_argument("--jobs", type=int_option(0, MAX_WORKERS), default=0, metavar="N", help="worker processes (default 0: all cores)")
     sw.add_argument("--all-rates", action="store_true", help="also run rates beyond a profile's first unbounded one")
-    sw.add_argument("--plot", action="append", help="write the capacity plot (.png or .svg); repeatable")
+    sw.add_argument("--plot", action="append", type=_plot_path, metavar="FILE", help="write the capacity plot (.png or .svg); repeatable")
     sw.set_defaults(fn=cmd_sweep)
 
-    ca = sub.add_parser("calibrate", help="fit the step cost model to measured step times (JSON or CSV rows)")
-    ca.add_argument("rows", help="rows of prefill_tokens, decode_seqs, kv_tokens, seconds (see fuzz/calibrate.py)")
-    ca.add_argument("-o", "--output", required=True, help="the cost model JSON to write (use it with --cost-model)")
-    ca.add_argument("--name", default="calibrated", help="the cost model's name")
-    ca.add_argument("--set", dest="overrides", default="", help="deployment knobs to store with it, e.g. num_blocks=40000")
+    ca = command("calibrate", "fit the step cost model to measured step times (JSON or CSV rows)")
+    ca.add_argument("rows", help="rows of prefill_tokens, decode_seqs, kv_tokens, seconds: JSON (a list, or {\"rows\": [...]}) "
+                    "or CSV with those columns (see fuzz/calibrate.py)")
+    ca.add_argument("-o", "--output", required=True, metavar="FILE", help="the cost model JSON to write (use it with --cost-model)")
+    ca.add_argument("--name", default="calibrated", type=text_option, help="the cost model's name (default: calibrated)")
+    ca.add_argument("--set", dest="overrides", default={}, type=_knobs_arg, metavar="KNOB=VALUE,...",
+                    help="deployment knobs to store with it, e.g. num_blocks=40000")
     ca.set_defaults(fn=cmd_calibrate)
 
 
 def build_parser():
     """A parser with only these commands (``python -m batchspec.sim_cli``; tests)."""
-    import argparse
+    from batchspec.cli import Parser
 
-    p = argparse.ArgumentParser(prog="batchspec", description=__doc__.split("\n")[0])
-    add_parsers(p.add_subparsers(dest="command", required=True))
+    p = Parser(prog="batchspec", description=__doc__.split("\n")[0])
+    add_parsers(p.add_subparsers(dest="command", required=True, parser_class=Parser))
     return p
 
 
@@ -480,7 +581,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run one of these commands with ``batchspec.cli``'s exit codes."""
     from batchspec.cli import run
 
-    return run(build_parser().parse_args(argv))
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 0
+    return run(args)
 
 
 if __name__ == "__main__":

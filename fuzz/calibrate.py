@@ -52,6 +52,12 @@ from spec.simulate import BatchTracker
 COLUMNS = ("prefill_tokens", "decode_seqs", "kv_tokens", "seconds")
 #: Rows in one calibration file.
 MAX_ROWS = 1_000_000
+#: Bytes in one calibration file (JSON or CSV), checked before and while reading.
+MAX_FILE_BYTES = 128 * 1024 * 1024
+#: Largest token / sequence count in one row (a step of 2^40 tokens is no measurement).
+MAX_ROW_COUNT = 2**40
+#: Longest step time in one row, in seconds (the cost model's coefficient limit).
+MAX_ROW_SECONDS = 3600.0
 
 
 @dataclass(frozen=True)
@@ -66,48 +72,100 @@ class Fit:
 
 
 def load_rows(path: str) -> list[tuple[int, int, int, float]]:
-    """Read ``(prefill_tokens, decode_seqs, kv_tokens, seconds)`` rows from JSON or CSV."""
+    """Read ``(prefill_tokens, decode_seqs, kv_tokens, seconds)`` rows from JSON or CSV.
+
+    Refused with ``FILE:LINE: FIELD: problem``: anything that is not a regular
+    file under ``MAX_FILE_BYTES``, invalid or non-strict JSON (NaN, duplicate
+    keys, deep nesting), a count that is not a whole number (``10.5``, ``true``)
+    or above ``MAX_ROW_COUNT``, a time that is not finite or above
+    ``MAX_ROW_SECONDS``, more than ``MAX_ROWS`` rows, fewer than 4.
+    """
     path = str(path)
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise FormatError(path, 0, "(file)", e.strerror or str(e)) from None
-    if path.endswith(".csv"):
-        reader = csv.DictReader(text.splitlines())
-        missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
-        if missing:
-            raise FormatError(path, 1, missing[0], "missing column")
-        items = [(reader.line_num, row) for row in reader]
-    else:
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise FormatError(path, e.lineno, "(file)", f"invalid JSON ({e.msg})") from None
-        obj = obj.get("rows") if isinstance(obj, dict) else obj
-        if not isinstance(obj, list):
-            raise FormatError(path, 1, "rows", "expected a list of rows (or {\"rows\": [...]})")
-        items = list(enumerate(obj, start=1))
-    if len(items) > MAX_ROWS:
-        raise FormatError(path, 0, "(file)", f"{len(items)} rows exceeds the limit of {MAX_ROWS}")
-    rows = []
-    for where, row in items:
-        if not isinstance(row, dict):
-            raise FormatError(path, where, "(row)", "expected an object with " + ", ".join(COLUMNS))
-        values = []
-        for name in COLUMNS:
-            if name not in row:
-                raise FormatError(path, where, name, "missing")
-            try:
-                v = float(row[name])
-            except (TypeError, ValueError):
-                raise FormatError(path, where, name, f"expected a number, got {row[name]!r}") from None
-            if not math.isfinite(v) or v < 0:
-                raise FormatError(path, where, name, f"must be a finite number >= 0, got {row[name]!r}")
-            values.append(v)
-        rows.append((int(values[0]), int(values[1]), int(values[2]), values[3]))
+    items = _csv_items(path) if path.endswith(".csv") else _json_items(path)
+    rows = [_row(path, where, row) for where, row in items]
     if len(rows) < 4:
         raise FormatError(path, 0, "(file)", f"{len(rows)} rows: a fit of 4 coefficients needs at least 4")
     return rows
+
+
+def _json_items(path: str):
+    from spec.io import line_of, read_json_document
+
+    obj, text = read_json_document(path, "MAX_FILE_BYTES", MAX_FILE_BYTES)
+    if isinstance(obj, dict):
+        unknown = sorted(set(obj) - {"rows"})
+        if unknown:
+            raise FormatError(path, line_of(text, unknown[0]), unknown[0], "unknown field (expected {\"rows\": [...]})")
+        obj = obj.get("rows")
+    if not isinstance(obj, list):
+        raise FormatError(path, 1, "rows", "expected a list of rows (or {\"rows\": [...]})")
+    if len(obj) > MAX_ROWS:
+        raise FormatError(path, 0, "(file)", f"{len(obj):,} rows exceeds the limit MAX_ROWS={MAX_ROWS:,}")
+    # JSON rows are usually one per line: row i's line is found by counting row openings
+    starts = [n for n, line in enumerate(text.splitlines(), start=1) if line.lstrip().startswith("{") and "prefill" in line]
+    return [(starts[i] if len(starts) == len(obj) else 1, row) for i, row in enumerate(obj)]
+
+
+def _csv_items(path: str):
+    import io
+
+    from spec.io import open_input
+
+    raw = open_input(path, "MAX_FILE_BYTES", MAX_FILE_BYTES)
+    with raw, io.TextIOWrapper(raw, encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f)
+        try:
+            names = reader.fieldnames or []
+            missing = [c for c in COLUMNS if c not in names]
+            if missing:
+                raise FormatError(path, 1, missing[0], "missing column" if names else "empty file: expected a CSV header")
+            for row in reader:
+                if reader.line_num > MAX_ROWS + 1:
+                    raise FormatError(path, reader.line_num, "(file)", f"more rows than the limit MAX_ROWS={MAX_ROWS:,}")
+                if None in row:
+                    raise FormatError(path, reader.line_num, "(row)", "more fields than the header has")
+                yield reader.line_num, row
+        except UnicodeDecodeError:
+            raise FormatError(path, reader.line_num + 1, "(row)", "not UTF-8 text (a binary file?)") from None
+        except csv.Error as e:
+            raise FormatError(path, reader.line_num, "(row)", f"invalid CSV ({e})") from None
+
+
+def _row(path: str, where: int, row: Any) -> tuple[int, int, int, float]:
+    if not isinstance(row, dict):
+        raise FormatError(path, where, "(row)", "expected an object with " + ", ".join(COLUMNS))
+    unknown = sorted(set(row) - set(COLUMNS))
+    if unknown and not path.endswith(".csv"):
+        raise FormatError(path, where, str(unknown[0]), f"unknown field (known: {', '.join(COLUMNS)})")
+    values: list[Any] = []
+    for name in COLUMNS:
+        if name not in row or row[name] in (None, ""):
+            raise FormatError(path, where, name, "missing")
+        values.append(_seconds(path, where, row[name]) if name == "seconds" else _count(path, where, name, row[name]))
+    return values[0], values[1], values[2], values[3]
+
+
+def _count(path: str, where: int, name: str, value: Any) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise FormatError(path, where, name, f"expected a whole number, got {value!r}")
+    if not 0 <= value <= MAX_ROW_COUNT:
+        raise FormatError(path, where, name, f"{value} is outside [0, MAX_ROW_COUNT={MAX_ROW_COUNT}]")
+    return value
+
+
+def _seconds(path: str, where: int, value: Any) -> float:
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise FormatError(path, where, "seconds", f"expected a number, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise FormatError(path, where, "seconds", f"expected a number, got {value!r}")
+    if not (math.isfinite(value) and 0 <= value <= MAX_ROW_SECONDS):
+        raise FormatError(path, where, "seconds", f"must be a finite number >= 0 and <= MAX_ROW_SECONDS={MAX_ROW_SECONDS:g}, got {value!r}")
+    return float(value)
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -202,10 +260,14 @@ def write_rows(rows, path: str) -> None:
 def _write_json(path: str, obj) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -120,6 +120,70 @@ class CostModel:
 
 
 # --------------------------------------------------------------------------
+# Cost-model files (written by ``batchspec calibrate``).
+# --------------------------------------------------------------------------
+
+#: Largest coefficient a cost-model file may set, in seconds: no real engine spends an
+#: hour on a step or a token, and larger values overflow the nanosecond clock's float.
+MAX_COEFFICIENT_S = 3600.0
+COEFFICIENTS = ("fixed_s", "per_prefill_token_s", "per_decode_seq_s", "per_kv_token_s")
+FILE_FIELDS = ("name", *COEFFICIENTS, "knobs", "source")
+
+
+def load_file(path: str) -> CostModel:
+    """Read and validate a cost-model JSON file; raise ``spec.io.FormatError`` naming the field.
+
+    Strict: an object with ``fixed_s`` and only the fields of :meth:`CostModel.to_json`;
+    coefficients finite numbers in ``[0, MAX_COEFFICIENT_S]`` (not bools, not strings);
+    ``knobs`` scheduler knobs of the right types and ranges.
+    """
+    from spec.config import ConfigError, resolve
+    from spec.io import FormatError, check_knob, line_of, read_json_document, OptionError
+
+    path = str(path)
+    obj, text = read_json_document(path)
+
+    def bad(field_name: str, problem: str) -> FormatError:
+        return FormatError(path, line_of(text, field_name), field_name, problem)
+
+    if not isinstance(obj, dict):
+        raise FormatError(path, 1, "(file)", f"expected a JSON object (a cost model), got {type(obj).__name__}")
+    for key in obj:
+        if key not in FILE_FIELDS:
+            raise bad(key, f"unknown field (known: {', '.join(FILE_FIELDS)})")
+    if "fixed_s" not in obj:
+        raise FormatError(path, 1, "fixed_s", "missing required field")
+    for key in COEFFICIENTS:
+        value = obj.get(key, 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad(key, f"expected a number of seconds, got {value!r}")
+        if not 0 <= value <= MAX_COEFFICIENT_S:
+            raise bad(key, f"{value!r} is outside [0, {MAX_COEFFICIENT_S:g}] (the limit MAX_COEFFICIENT_S)")
+    if obj["fixed_s"] * NS_PER_S < 1:
+        raise bad("fixed_s", f"{obj['fixed_s']!r} is below 1 ns: every step must take time")
+    for key in ("name", "source"):
+        if key in obj and not isinstance(obj[key], str):
+            raise bad(key, f"expected a string, got {obj[key]!r}")
+    name = obj.get("name", "custom")
+    if not name or len(name) > 256 or any(ord(c) < 32 or 0x7f <= ord(c) <= 0x9f for c in name):
+        raise bad("name", f"{name!r}: 1 to 256 characters, no control characters")
+    knobs = obj.get("knobs", {})
+    if not isinstance(knobs, dict):
+        raise bad("knobs", f"expected an object of scheduler knobs, got {type(knobs).__name__}")
+    try:
+        for key, value in knobs.items():
+            resolve({key: value}) if key != "profile" else None  # known knob, right type
+            check_knob(key, value, "knobs")
+        if "profile" in knobs:
+            raise ConfigError("profile", "a cost model describes a deployment, not a profile")
+    except ConfigError as e:
+        raise bad(f"knobs.{e.field}", e.problem) from None
+    except OptionError as e:
+        raise bad(f"knobs.{e.option.split()[-1]}", e.problem) from None
+    return CostModel.from_json(obj)
+
+
+# --------------------------------------------------------------------------
 # Presets, derived from public spec-sheet numbers by a stated roofline.
 # --------------------------------------------------------------------------
 

@@ -26,14 +26,24 @@ FORMAT_VERSION = 1
 #: Comparison levels, each a superset of the previous one.
 LEVELS = ("decisions", "memory", "exact")
 
-#: Explicit size limits; errors name the limit that was hit.
+#: Explicit size limits; errors name the limit that was hit ("exceeds the limit NAME=VALUE").
+#: Readers enforce them while streaming, so a huge file is refused without being loaded.
 LIMITS = {
     "requests": 1_000_000,  # requests in one trace
     "prompt_len": 1_048_576,  # tokens in one prompt
     "max_tokens": 1_048_576,  # output tokens of one request
     "num_blocks": 4_194_304,  # KV blocks in the pool
-    "line_bytes": 64 * 1024 * 1024,  # bytes in one JSON line
-    "steps": 10_000_000,  # upper bound for the max_steps knob
+    "line_bytes": 16 * 1024 * 1024,  # bytes in one JSON line (a 1M-token explicit prompt is ~8 MB)
+    "trace_bytes": 128 * 1024 * 1024,  # bytes in one trace file (1M requests of ~100 bytes)
+    "log_bytes": 256 * 1024 * 1024,  # bytes in one decision log
+    "json_bytes": 16 * 1024 * 1024,  # bytes in one JSON document (cost model, calibration rows, state)
+    "json_depth": 16,  # nesting of arrays / objects in one JSON value (the formats need 4)
+    "int_abs": 2**53 - 1,  # any integer in an input file (exact in an IEEE double, so in every language)
+    "steps": 10_000_000,  # upper bound for the max_steps knob, arrival_step, abort_at and log steps
+    "arrival_time": 1e9,  # seconds (about 31 years)
+    "priority": 2**31 - 1,  # |priority|
+    "vocab_size": 16_777_216,  # tokens in the vocabulary
+    "token_list": 65_536,  # entries of stop_token_ids
 }
 
 #: Token ids below this are reserved (0 pad, 1 bos, 2 eos by default); synthetic
