@@ -14,9 +14,19 @@ Run it through batchspec's own command line (docs/engine-guide.md walks through 
     python examples/toy_engine.py log docs/examples/hol-blocking.jsonl toy.log.jsonl
     batchspec check-log toy.log.jsonl --trace docs/examples/hol-blocking.jsonl
 
-``TOY_BUG=priority`` plants a realistic bug (under ``policy="priority"`` the queue
-is served in arrival order, ignoring priorities); the fuzz campaign finds it,
-shrinks it to a couple of requests and writes a triage report.
+It **declares what it implements** (``ToyEngine.capabilities``): the ``naive``
+profile, FCFS or priority order, chunked prefill on or off, any long-prefill cap,
+full-sequence reservation on or off — and nothing else (no prefix cache, no
+batching, no preemption).  ``batchspec fuzz --engine toy`` then draws only inside
+that envelope, and covers it.
+
+Planted bugs (``TOY_BUG=...``), for the guide's "does the fuzzer find it?" exercise:
+
+* ``priority`` — under ``policy="priority"`` the queue is served in arrival order,
+  ignoring priorities;
+* ``lone_cap`` — the long-prefill cap is applied to a request that is alone (the
+  bug family of ``BUDGET.LONG_PREFILL``); it shows at admission and in later chunks,
+  yet a campaign reports it as one finding.
 """
 from __future__ import annotations
 
@@ -30,8 +40,21 @@ if __package__ in (None, ""):  # `python examples/toy_engine.py`: make the repos
 from spec.config import resolve  # the trace header's knobs, validated (configuration, not logic)
 from spec.formats import StepRecord, Trace, TraceRequest
 
-#: Planted bugs, for the guide's "does the fuzzer find it?" exercise.
+#: Planted bug, for the guide's "does the fuzzer find it?" exercise: "", "priority" or "lone_cap".
 BUG = os.environ.get("TOY_BUG", "")
+
+#: What the toy implements (fuzz/capabilities.py): the naive profile — one request at a time,
+#: no prefix cache — with these knobs free to vary.  Every other semantic knob keeps naive's
+#: value; sizes (blocks, budget, max_model_len) are drawn freely.
+CAPABILITIES = {
+    "profile": "naive",
+    "knobs": {
+        "policy": ["fcfs", "priority"],
+        "enable_chunked_prefill": [True, False],
+        "long_prefill_token_threshold": "any",
+        "scheduler_reserve_full_isl": [True, False],
+    },
+}
 
 
 def cdiv(a: int, b: int) -> int:
@@ -62,6 +85,7 @@ class ToyEngine:
     """One request at a time.  Implements ``spec.protocol.Engine``."""
 
     name = "toy"
+    capabilities = CAPABILITIES  # read by batchspec fuzz / conform / fuzz.strategies
 
     def __init__(self, trace: Trace):
         cfg = resolve(trace.config)
@@ -115,7 +139,7 @@ class ToyEngine:
         self.pending_aborted, self.pending_rejected = [], []
         budget = cfg.max_num_batched_tokens
         eligible = (self.running is not None) + len(self.waiting)
-        cap = cfg.long_prefill_token_threshold if eligible > 1 else 0
+        cap = cfg.long_prefill_token_threshold if eligible > 1 or BUG == "lone_cap" else 0
         batch: list[tuple[ToyRequest, int]] = []
         admitted: ToyRequest | None = None
         # 1. the running request continues (prefill chunk or decode)

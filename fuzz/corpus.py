@@ -1,26 +1,37 @@
 """The findings corpus: one minimized, explained, replayable trace per divergence signature.
 
-A finding is saved as three files named after its signature:
+A finding is a **group** of divergences that share a cause: the same kind, field
+and spec rule at the first divergence of the *shrunk* trace (:func:`fuzz.shrink.signature`;
+request ids and step numbers do not enter it).  A group is saved as four files
+named after its signature:
 
-* ``NAME.jsonl``             the shrunk trace (its header ``description`` says what it shows);
+* ``NAME.jsonl``             the smallest shrunk trace of the group (its header ``description``
+                      says what it shows);
 * ``ENGINE/NAME.log.jsonl``  the engine's decision log on it (what the engine did);
-* ``NAME.md``                the triage report: the divergence, the spec's rule and reason,
-                      the step table around it on both sides, the invariants the
-                      engine's log breaks, and the command that replays it.
+* ``NAME.md``                the triage report: the divergence, the knobs the trace sets apart
+                      from its profile (the one the spec's rule depends on first), the
+                      spec's rule and reason, the step table around it on both sides,
+                      the invariants the engine's log breaks, and a replay command
+                      that runs as printed;
+* ``NAME.group.json``        the group: how many divergent traces fell in it, and the size of
+                      the example kept.
 
 The trace file is the commit point and is created with an atomic, no-overwrite
-link, so several workers (or machines sharing a directory) save each signature
-once.  ``tests/corpus/`` is replayed by pytest in CI; ``batchspec replay
+link, so several workers (or machines sharing a directory) save each group
+once; a later, smaller example of the group replaces it (atomic rename).  ``tests/corpus/`` is replayed by pytest in CI; ``batchspec replay
 NAME.jsonl --engine E`` exits 1 while the divergence is there, 0 once it is
 fixed — usable with ``git bisect run``.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
+import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from fuzz.replay import ReplayResult
 from fuzz.shrink import Signature
@@ -62,12 +73,122 @@ def step_window(result: ReplayResult, around: int, width: int = 3) -> str:
     return "\n".join(lines)
 
 
-def triage_report(result: ReplayResult, sig: Signature, name: str, provenance: str = "") -> str:
-    """The Markdown report of one finding."""
+#: Engines every ``batchspec`` command knows by name.
+BUILT_IN_ENGINES = ("spec", "vllm", "gpu", "gpu-model", "reference")
+
+
+def replay_engine_arg(engine: str) -> str:
+    """What to pass as ``--engine`` so that a printed ``batchspec replay`` command runs as printed:
+    a built-in name or ``MODULE:FACTORY`` as is; an engine registered by a user's own code
+    (a launcher script) as the ``MODULE:FACTORY`` of its factory, importable from the
+    working directory."""
+    from fuzz.replay import ENGINES
+
+    if engine in BUILT_IN_ENGINES or ":" in engine or engine not in ENGINES:
+        return engine
+    factory = ENGINES[engine].factory
+    module, qual = getattr(factory, "__module__", None), getattr(factory, "__qualname__", "")
+    if module == "__main__":  # a launcher run as a script: name its file as a module
+        path = getattr(sys.modules.get("__main__"), "__file__", None)
+        try:
+            rel = Path(path).resolve().relative_to(Path.cwd()) if path else None
+        except ValueError:
+            rel = None
+        module = ".".join(rel.with_suffix("").parts) if rel is not None and rel.suffix == ".py" else None
+    if module and qual.isidentifier() and all(part.isidentifier() for part in module.split(".")):
+        return f"{module}:{qual}"
+    return engine
+
+
+def differing_knobs(trace_config: dict[str, Any]) -> dict[str, Any]:
+    """The semantic knobs (not workload sizes) whose value in the trace differs from its profile's."""
+    return {k: v for k, v in resolve(trace_config).overrides().items() if k != "profile" and k not in _SIZES}
+
+
+def knob_sensitivity(result: ReplayResult, engine: str | None) -> list[str]:
+    """The knobs that differ from the profile and without which the divergence goes away:
+    the trace is replayed once per knob, that knob set back to the profile's value."""
+    from fuzz.replay import replay
+
+    if not engine or result.divergence is None:
+        return []
+    out = []
+    for knob in differing_knobs(result.trace.config):
+        base = _profile_value(result.trace.config, knob)
+        try:
+            again = replay(dataclasses.replace(result.trace, config={**result.trace.config, knob: base}), engine, result.level)
+        except Exception:  # the engine refuses the profile's value, or the spec does: no verdict
+            continue
+        if again.agreed:
+            out.append(knob)
+    return out
+
+
+def _profile_value(trace_config: dict[str, Any], knob: str) -> Any:
+    from spec.config import PROFILES
+
+    return getattr(PROFILES[resolve(trace_config).profile].config, knob)
+
+
+def knob_lines(trace_config: dict[str, Any], div, sensitive: list[str] = ()) -> tuple[list[str], str | None]:
+    """The trace's knob values that differ from its profile, as Markdown bullets, the knob the
+    finding depends on first, and a line naming it.  The knob is the first semantic knob that
+    differs among the spec rule's ``knobs``; failing that, the first of ``sensitive`` (knobs
+    without which the divergence goes away, :func:`knob_sensitivity`); failing that, among the
+    ``knobs`` of the other rules the spec cited for the same request at that step."""
+    from spec.config import PROFILES
+    from spec.rules import all_rules
+
+    cfg = resolve(trace_config)
+    base = PROFILES[cfg.profile].config
+    differ = {k: v for k, v in cfg.overrides().items() if k != "profile"}
+    rules = all_rules()
+    semantic = differing_knobs(trace_config)
+
+    def by_rules(rule_ids) -> tuple[str, str | None] | None:
+        for rid in rule_ids:
+            rule = rules.get(rid or "")
+            hit = [k for k in (rule.knobs if rule else ()) if k in semantic]
+            if hit:
+                return hit[0], rid
+        return None
+
+    mine = [r.get("rule") for r in div.context if r.get("request") == div.request and r.get("rule") != div.rule]
+    named = by_rules([div.rule]) or (((list(sensitive)[0], None)) if sensitive else None) or by_rules(mine)
+    order = ([named[0]] if named else []) + sorted(k for k in semantic if not named or k != named[0]) \
+        + sorted(k for k in differ if k not in semantic)
+    lines = [f"- `{k}={json.dumps(differ[k])}` (profile `{cfg.profile}`: `{json.dumps(getattr(base, k))}`)"
+             + (f" — **the spec's value here depends on it** (rule `{named[1]}`)" if named and named[1] and k == named[0]
+                else " — **the divergence goes away without it**" if named and k == named[0] else "")
+             + (" — the divergence goes away without it" if k in sensitive and not (named and k == named[0]) else "")
+             + ("" if k in semantic else " — workload size") for k in order]
+    lead = None
+    if named:
+        why = (f"rule `{named[1]}` changes with it" if named[1] else
+               "with the profile's value the spec and the engine agree on this trace")
+        lead = (f"This finding depends on the knob **`{named[0]}={json.dumps(differ[named[0]])}`** (profile "
+                f"`{cfg.profile}` has `{json.dumps(getattr(base, named[0]))}`): {why}.")
+    return lines, lead
+
+
+#: Knobs that size the workload rather than choose a behaviour (never "the" knob of a finding).
+_SIZES = ("num_blocks", "num_cpu_blocks", "max_steps", "block_size", "max_model_len", "max_num_batched_tokens",
+          "max_num_seqs")
+
+
+def triage_report(result: ReplayResult, sig: Signature, name: str, provenance: str = "",
+                  engine: str | None = None, trace_path: str | None = None, sensitive: list[str] = ()) -> str:
+    """The Markdown report of one finding.  ``engine`` is what ``--engine`` was given (default:
+    the engine's name) and ``trace_path`` where the trace is saved, for the replay command;
+    ``sensitive`` the knobs without which it goes away (:func:`knob_sensitivity`)."""
     from invariants.log_checker import check_log
 
     div = result.divergence
     assert div is not None
+    knobs, lead = knob_lines(result.trace.config, div, list(sensitive))
+    knob_section = "\n".join(knobs) or f"- none: every knob is profile `{result.trace.config.get('profile', 'vllm-v1')}`'s"
+    command = (f"batchspec replay {trace_path or name + '.jsonl'} --engine {replay_engine_arg(engine or result.engine)} "
+               f"--level {result.level}")
     checked = check_log(DecisionLog(result.engine, result.level, result.engine_records),
                         resolve(result.trace.config), result.trace)
     broken = "\n".join(f"- `{v.invariant}` at step {v.step}" + (f" ({v.request})" if v.request else "") + f": {v.evidence}"
@@ -80,12 +201,16 @@ def triage_report(result: ReplayResult, sig: Signature, name: str, provenance: s
 
 **{div.kind}** on field `{div.field}`{f" (request {div.request})" if div.request else ""}; spec rule `{div.rule or "-"}`.
 Engine `{result.engine}`, compared at the `{result.level}` level. {provenance}
-
+{chr(10) + lead + chr(10) if lead else ""}
 Replay it (exit 1 while the divergence is there, 0 once fixed):
 
 ```bash
-batchspec replay {name}.jsonl --engine {result.engine} --level {result.level}
+{command}
 ```
+
+## Knobs this trace sets apart from its profile
+
+{knob_section}
 
 ## The divergence
 
@@ -121,13 +246,27 @@ def _atomic_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_finding(corpus: str | os.PathLike, result: ReplayResult, sig: Signature, provenance: str = "") -> Path | None:
-    """Save a shrunk finding once per signature; return its trace path, or None if already saved."""
+def size(trace) -> tuple[int, int]:
+    """How big an example is: requests, then tokens (prompt + max_tokens); smaller is better."""
+    return len(trace.requests), sum(r.prompt_len + r.max_tokens for r in trace.requests)
+
+
+def save_finding(corpus: str | os.PathLike, result: ReplayResult, sig: Signature, provenance: str = "",
+                 engine: str | None = None, hits: int = 1) -> Path | None:
+    """Save a shrunk finding as its group's example: the first of the group, or one smaller
+    than the example kept; count ``hits`` divergent traces in the group either way.  Return
+    the trace path when this example was written, None when a smaller or equal one is kept.
+    ``engine`` is what ``--engine`` was given (for the replay command)."""
     corpus = Path(corpus)
     corpus.mkdir(parents=True, exist_ok=True)
     name = slug(sig)
     trace_path = corpus / f"{name}.jsonl"
-    if trace_path.exists():
+    group = read_group(corpus, name)
+    kept = group.get("example_size")
+    new_size = list(size(result.trace))
+    replace = trace_path.exists() and kept is not None and new_size < kept
+    if trace_path.exists() and not replace:
+        record_hits(corpus, name, sig, hits)
         return None
     div = result.divergence
     trace = dataclasses.replace(
@@ -139,16 +278,48 @@ def save_finding(corpus: str | os.PathLike, result: ReplayResult, sig: Signature
     os.close(fd)
     try:
         atomic_write_lines(tmp, [trace.header_json(), *(r.to_json() for r in trace.requests)])
-        try:
-            os.link(tmp, trace_path)  # fails if another worker saved this signature first
-        except FileExistsError:
-            return None
+        if replace:
+            os.replace(tmp, trace_path)
+        else:
+            try:
+                os.link(tmp, trace_path)  # fails if another worker saved this group first
+            except FileExistsError:
+                record_hits(corpus, name, sig, hits)
+                return None
     finally:
-        os.unlink(tmp)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     write_log(DecisionLog(result.engine, result.level, result.engine_records, trace=f"../{trace_path.name}",
                           config=trace.config), log_path(corpus, result.engine, name))
-    _atomic_text(corpus / f"{name}.md", triage_report(dataclasses.replace(result, trace=trace), sig, name, provenance))
+    _atomic_text(corpus / f"{name}.md", triage_report(dataclasses.replace(result, trace=trace), sig, name, provenance,
+                                                      engine=engine, trace_path=str(trace_path),
+                                                      sensitive=knob_sensitivity(result, engine)))
+    record_hits(corpus, name, sig, hits, example_size=new_size)
     return trace_path
+
+
+def group_path(corpus: str | os.PathLike, name: str) -> Path:
+    return Path(corpus) / f"{name}.group.json"
+
+
+def read_group(corpus: str | os.PathLike, name: str) -> dict[str, Any]:
+    """A group's record (``count``, ``example_size``, ``signature``); empty if none yet."""
+    try:
+        return json.loads(group_path(corpus, name).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def record_hits(corpus: str | os.PathLike, name: str, sig: Signature, hits: int,
+                example_size: list[int] | None = None) -> None:
+    """Add ``hits`` divergent traces to group ``name`` (and note the example's size)."""
+    group = read_group(corpus, name)
+    group["signature"] = list(sig)
+    group["count"] = group.get("count", 0) + hits
+    if example_size is not None:
+        group["example_size"] = example_size
+        group["example_requests"] = example_size[0]
+    _atomic_text(group_path(corpus, name), json.dumps(group, indent=1) + "\n")
 
 
 def log_path(corpus: str | os.PathLike, engine: str, name: str) -> Path:

@@ -1,0 +1,413 @@
+"""Capability declarations: the knob values an engine implements (its **envelope**).
+
+An engine under test rarely implements the whole scheduling map.  It declares
+what it does implement, and every generator — campaigns (``batchspec fuzz``),
+``batchspec conform`` and the Hypothesis strategies (:mod:`fuzz.strategies`) —
+draws only inside that envelope; a trace outside it is never run against the
+engine (it would only measure a knob the engine never claimed).
+
+A declaration names a **profile** (the base) and the knobs the engine lets vary::
+
+    {"profile": "naive",
+     "knobs": {"policy": ["fcfs", "priority"],              # these values, each one drawn
+               "enable_chunked_prefill": [true, false],
+               "long_prefill_token_threshold": {"min": 0, "max": 64},   # a range (inclusive)
+               "watermark": "any"}}                          # whatever the spec accepts
+
+* a knob in ``knobs`` may take the listed values (a list), any value in a range
+  (``{"min": a, "max": b}``) or any value (``"any"``); a campaign draws each
+  listed value in turn, so over ``n`` traces every value of a list of ``n`` appears;
+* a *semantic* knob not in ``knobs`` (queue policy, batching, reservation,
+  prefix caching, preemption, chunking, caps, watermark, ...) keeps the
+  profile's value;
+* workload sizes (``block_size``, ``num_blocks``, ``max_model_len``,
+  ``max_num_batched_tokens``, ``max_num_seqs``, ``num_cpu_blocks``, ``max_steps``,
+  tenant weights and prices) are drawn freely unless the profile sets them apart
+  from ``vllm-v1`` (``max_num_seqs = 1`` for ``naive``) or ``knobs`` restricts them.
+
+It is written in code — a ``capabilities`` attribute (a dict as above, a
+:class:`Envelope`, the path of a JSON file, or a callable returning one of these)
+on the engine factory named by ``--engine MODULE:FACTORY`` or registered with
+:func:`fuzz.replay.register_engine` — or, for an engine that only writes decision
+logs, in a small JSON file (the same object, plus ``"format":
+"batchspec-capabilities", "version": 1``) given with ``--capabilities FILE``.
+
+The built-in engines declare theirs here (:func:`builtin`): ``gpu`` and
+``gpu-model`` from gpu_engine's own allow-list (``gpu_engine.engine.SUPPORTED``),
+``vllm`` from the adapter's mapped knobs, ``spec`` and ``reference`` everything.
+An engine that declares nothing is held to the ``vllm-v1`` family (the
+generator's default draws), as before.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import zlib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from spec.config import KNOB_CHOICES, PROFILES, ConfigError, SchedulerConfig, resolve
+
+ANY = "any"
+FORMAT = "batchspec-capabilities"
+
+_TYPES = {f.name: {"int": int, "bool": bool, "float": float, "str": str}[str(f.type)]
+          for f in fields(SchedulerConfig) if f.name != "profile"}
+
+#: Values a campaign tries for a knob declared as a range or ``"any"`` (clipped to the range,
+#: whose ends are always tried): the corners the spec's rules turn on.
+SAMPLES: dict[str, tuple] = {
+    "long_prefill_token_threshold": (0, 1, 3, 4, 8, 16, 40),
+    "watermark": (0.0, 0.01, 0.05, 0.1, 0.2),
+    "aging_steps": (0, 1, 4, 16),
+    "num_cpu_blocks": (0, 1, 2, 4, 8, 256),
+    "new_token_ratio_decay_steps": (600, 4),
+    "retract_decode_steps": (20, 1),
+    "block_size": (1, 2, 4, 8, 16),
+    "max_num_seqs": (1, 2, 4, 16, 128),
+    "max_num_batched_tokens": (4, 8, 16, 32, 64, 2048),
+    "max_model_len": (24, 64, 128, 4096),
+}
+
+
+class CapabilityError(ValueError):
+    """A capability declaration that cannot be read (an unknown knob, a bad value)."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """Every value from ``lo`` to ``hi`` (inclusive); ``None`` is unbounded."""
+
+    lo: float | None = None
+    hi: float | None = None
+
+    def __contains__(self, value: Any) -> bool:
+        return (self.lo is None or value >= self.lo) and (self.hi is None or value <= self.hi)
+
+    def __str__(self) -> str:
+        if self.lo is None and self.hi is None:
+            return "any"
+        return f"{'' if self.lo is None else self.lo}..{'' if self.hi is None else self.hi}"
+
+
+Allowed = tuple | Range
+
+
+def _free_knobs(profile: str) -> set[str]:
+    """Knobs a trace for ``profile`` draws freely (workload sizes the profile leaves at vllm-v1's)."""
+    from fuzz.generate import profile_knobs
+
+    return set(_TYPES) - set(profile_knobs(profile))
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """The knob values an engine implements (see the module docstring)."""
+
+    profile: str = "vllm-v1"
+    knobs: Mapping[str, Allowed] = field(default_factory=dict)
+    #: The engine implements the whole map: every profile, every knob value.
+    everything: bool = False
+    #: Where the declaration came from (shown in the campaign summary).
+    source: str = ""
+
+    # -- membership ------------------------------------------------------------
+
+    def allows(self, knob: str, value: Any) -> bool:
+        if self.everything:
+            return True
+        if knob in self.knobs:
+            allowed = self.knobs[knob]
+            return value in allowed
+        if knob in _free_knobs(self.profile):
+            return True
+        return value == getattr(PROFILES[self.profile].config, knob)
+
+    def violations(self, config: Mapping[str, Any] | SchedulerConfig) -> list[str]:
+        """Why ``config`` (a trace header's config, or a resolved one) is outside, one line per knob."""
+        if self.everything:
+            return []
+        cfg = config if isinstance(config, SchedulerConfig) else resolve(dict(config))
+        out = []
+        for knob in _TYPES:
+            value = getattr(cfg, knob)
+            if not self.allows(knob, value):
+                out.append(f"{knob}={value!r} (implements {self.describe_knob(knob)})")
+        return out
+
+    def admits(self, config: Mapping[str, Any] | SchedulerConfig) -> bool:
+        try:
+            return not self.violations(config)
+        except ConfigError:
+            return False
+
+    def partial_violations(self, knobs: Mapping[str, Any]) -> list[str]:
+        """Like :meth:`violations` for some knobs only (``--set``, a profile's fixed knobs)."""
+        return [f"{k}={v!r} (implements {self.describe_knob(k)})" for k, v in knobs.items()
+                if k in _TYPES and not self.allows(k, v)]
+
+    def profiles(self) -> list[str]:
+        """The profiles whose fixed knobs all lie inside the envelope."""
+        from fuzz.generate import profile_knobs
+
+        return [p for p in sorted(PROFILES) if not self.partial_violations(profile_knobs(p))]
+
+    # -- description -----------------------------------------------------------
+
+    def describe_knob(self, knob: str) -> str:
+        if self.everything or knob in _free_knobs(self.profile) and knob not in self.knobs:
+            return "any"
+        if knob in self.knobs:
+            allowed = self.knobs[knob]
+            return str(allowed) if isinstance(allowed, Range) else ", ".join(map(_show, allowed))
+        return f"{_show(getattr(PROFILES[self.profile].config, knob))} only"
+
+    def describe(self) -> str:
+        """One line: ``profile naive; policy fcfs|priority; long_prefill_token_threshold 0..64``."""
+        if self.everything:
+            return "every profile and knob value"
+        parts = [f"profile {self.profile}"]
+        for knob, allowed in self.knobs.items():
+            parts.append(f"{knob} {allowed}" if isinstance(allowed, Range) else f"{knob} {'|'.join(map(_show, allowed))}")
+        return "; ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        if self.everything:
+            return {"format": FORMAT, "version": 1, "everything": True}
+        knobs = {k: ({"min": v.lo, "max": v.hi} if isinstance(v, Range) and (v.lo, v.hi) != (None, None)
+                     else ANY if isinstance(v, Range) else list(v)) for k, v in self.knobs.items()}
+        return {"format": FORMAT, "version": 1, "profile": self.profile, "knobs": knobs}
+
+    # -- drawing ---------------------------------------------------------------
+
+    def samples(self, knob: str) -> tuple:
+        """The values a campaign draws for a declared knob: every listed value, or the
+        ends of a range and the :data:`SAMPLES` corners inside it."""
+        allowed = self.knobs[knob]
+        if not isinstance(allowed, Range):
+            return tuple(allowed)
+        if _TYPES[knob] is bool:
+            return (False, True)
+        base = getattr(PROFILES[self.profile].config, knob)
+        corners = [allowed.lo, base, *SAMPLES.get(knob, ()), allowed.hi]
+        out: list = []
+        for v in corners:
+            if v is not None and v in allowed and v not in out:
+                out.append(_TYPES[knob](v))
+        return tuple(out) or (base,)
+
+    def options(self, k: int, seed: int = 0, fixed: Iterable[str] = ()) -> dict[str, Any]:
+        """Knob values for trace ``k`` of a campaign: the profile, and each declared knob not in
+        ``fixed`` rotated through its :meth:`samples`, so that ``n`` consecutive traces take
+        all ``n`` values of a knob (each knob with its own seeded rotation, so knobs do not
+        move in lock step).  Combinations the spec refuses (aging without a priority order,
+        estimate admission with full reservation) are moved to the next value.  Empty for an
+        engine that implements everything: the generator's own draws stay unchanged."""
+        if self.everything:
+            return {}
+        fixed = set(fixed)
+        out: dict[str, Any] = {"profile": self.profile}
+        order: dict[str, list] = {}
+        for knob in sorted(self.knobs):
+            if knob in fixed:
+                continue
+            values = list(self.samples(knob))
+            n = len(values)
+            block = values[:]  # a fresh permutation of the values for every n consecutive traces
+            random.Random(zlib.crc32(f"{seed}:{knob}:{k // n}".encode())).shuffle(block)
+            start = k % n
+            order[knob] = block[start:] + block[:start]
+            out[knob] = order[knob][0]
+        return _consistent(self.profile, out, order)
+
+
+def _consistent(profile: str, options: dict[str, Any], order: dict[str, list]) -> dict[str, Any]:
+    """Move rotated knobs to their next value while the spec refuses the combination."""
+    from fuzz.generate import profile_knobs
+
+    for _ in range(8):
+        try:
+            resolve({**profile_knobs(profile), **options, "max_num_batched_tokens": 1 << 20, "max_model_len": 64,
+                     "max_num_seqs": 1, "num_blocks": 64})
+            return options
+        except ConfigError as e:
+            if e.field not in order or len(order[e.field]) < 2:
+                return options  # a size the generator adjusts, or nothing left to try
+            order[e.field] = order[e.field][1:] + order[e.field][:1]
+            options[e.field] = order[e.field][0]
+    return options
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, bool) else str(value)
+
+
+EVERYTHING = Envelope(everything=True, source="implements the whole map")
+
+
+# -- reading declarations ---------------------------------------------------------
+
+
+def parse(obj: Any, where: str = "capabilities") -> Envelope:
+    """An :class:`Envelope` from a declaration object (module docstring); raises
+    :class:`CapabilityError` naming ``where`` and the field on anything it cannot read."""
+    if isinstance(obj, Envelope):
+        return obj
+    if not isinstance(obj, Mapping):
+        raise CapabilityError(f"{where}: expected an object {{\"profile\": ..., \"knobs\": {{...}}}}, got {obj!r}")
+    unknown = set(obj) - {"format", "version", "engine", "profile", "knobs", "everything", "description"}
+    if unknown:
+        raise CapabilityError(f"{where}: {sorted(unknown)[0]}: unknown field (known: profile, knobs, everything)")
+    if "format" in obj and obj["format"] != FORMAT:
+        raise CapabilityError(f"{where}: format: expected {FORMAT!r}, got {obj['format']!r}")
+    if obj.get("everything"):
+        return dataclasses.replace(EVERYTHING, source=where)
+    profile = obj.get("profile", "vllm-v1")
+    if profile not in PROFILES:
+        raise CapabilityError(f"{where}: profile: unknown profile {profile!r} (known: {', '.join(sorted(PROFILES))})")
+    raw = obj.get("knobs", {})
+    if not isinstance(raw, Mapping):
+        raise CapabilityError(f"{where}: knobs: expected an object knob -> values, got {raw!r}")
+    knobs: dict[str, Allowed] = {}
+    for knob, spec in raw.items():
+        knobs[knob] = _allowed(knob, spec, f"{where}: knobs.{knob}")
+    return Envelope(profile, knobs, source=where)
+
+
+def _allowed(knob: str, spec: Any, where: str) -> Allowed:
+    if knob not in _TYPES:
+        raise CapabilityError(f"{where}: unknown knob (known: {', '.join(_TYPES)})")
+    kind = _TYPES[knob]
+    if spec == ANY or spec is None:
+        return (False, True) if kind is bool else Range()
+    if isinstance(spec, Range):
+        return spec
+    if isinstance(spec, Mapping):
+        if set(spec) - {"min", "max"} or kind not in (int, float):
+            raise CapabilityError(f"{where}: a range is {{\"min\": a, \"max\": b}} of a numeric knob, got {spec!r}")
+        lo, hi = spec.get("min"), spec.get("max")
+        for v in (lo, hi):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise CapabilityError(f"{where}: range ends must be numbers, got {v!r}")
+        if lo is not None and hi is not None and lo > hi:
+            raise CapabilityError(f"{where}: min {lo} > max {hi}")
+        return Range(lo, hi)
+    if isinstance(spec, (list, tuple)) and spec:
+        values = []
+        for v in spec:
+            ok = isinstance(v, bool) if kind is bool else (
+                isinstance(v, (int, float)) and not isinstance(v, bool) if kind in (int, float) else isinstance(v, str))
+            if not ok or (kind is int and isinstance(v, float)):
+                raise CapabilityError(f"{where}: {v!r} is not a {kind.__name__}")
+            if knob in KNOB_CHOICES and v not in KNOB_CHOICES[knob]:
+                raise CapabilityError(f"{where}: {v!r} is not a value of {knob} ({', '.join(KNOB_CHOICES[knob])})")
+            values.append(kind(v))
+        return tuple(dict.fromkeys(values))
+    raise CapabilityError(f"{where}: expected a non-empty list of values, {{\"min\": a, \"max\": b}} or \"any\", got {spec!r}")
+
+
+def load(path: str | os.PathLike) -> Envelope:
+    """Read a capability file (JSON); raises :class:`CapabilityError` as ``FILE: FIELD: problem``."""
+    try:
+        obj = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise CapabilityError(f"{path}: cannot read: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise CapabilityError(f"{path}:{e.lineno}: not JSON: {e.msg}") from None
+    return parse(obj, str(path))
+
+
+def declared(obj: Any, where: str) -> Envelope | None:
+    """The envelope an engine factory (or instance) declares with a ``capabilities`` attribute, if any."""
+    caps = getattr(obj, "capabilities", None)
+    if caps is None:
+        return None
+    if callable(caps) and not isinstance(caps, Envelope):
+        caps = caps()
+    if isinstance(caps, (str, os.PathLike)):
+        return load(caps)
+    return parse(caps, f"{where}.capabilities")
+
+
+# -- the built-in engines ------------------------------------------------------------
+
+
+def _from_allow_list(supported: Mapping[str, Any], source: str) -> Envelope:
+    """An envelope from an allow-list ``knob -> frozenset of values | None (any)`` whose other
+    knobs must keep their ``vllm-v1`` defaults (gpu_engine's ``SUPPORTED``)."""
+    knobs: dict[str, Allowed] = {}
+    for knob, kind in _TYPES.items():
+        if knob not in supported:
+            continue  # held at the default: vllm-v1's value
+        values = supported[knob]
+        if values is None:
+            knobs[knob] = (False, True) if kind is bool else Range()
+        else:
+            knobs[knob] = tuple(sorted(values, key=str))
+    whole = all(k in knobs and (isinstance(v, Range) or _TYPES[k] is bool or set(v) >= set(KNOB_CHOICES.get(k, v)))
+                for k, v in ((k, knobs.get(k)) for k in _TYPES))
+    return dataclasses.replace(EVERYTHING, source=source) if whole else Envelope("vllm-v1", knobs, source=source)
+
+
+def _gpu() -> Envelope:
+    from gpu_engine.engine import SUPPORTED
+
+    return _from_allow_list(SUPPORTED, "gpu_engine.engine.SUPPORTED")
+
+
+def _vllm() -> Envelope:
+    from fuzz.vllm_adapter import MAPPED_KNOBS
+
+    knobs: dict[str, Allowed] = {}
+    for knob in sorted(MAPPED_KNOBS):
+        # reject_unservable=false only makes both sides stall to max_steps: left at the profile's value
+        if knob in _free_knobs("vllm-v1") or knob == "reject_unservable":
+            continue
+        knobs[knob] = ("fcfs", "priority") if knob == "policy" else (False, True) if _TYPES[knob] is bool else Range()
+    return Envelope("vllm-v1", knobs, source="fuzz.vllm_adapter.MAPPED_KNOBS")
+
+
+BUILTIN = {"spec": lambda: dataclasses.replace(EVERYTHING, source="the spec itself"),
+           "reference": lambda: dataclasses.replace(EVERYTHING, source="the spec's decisions drive the model"),
+           "gpu": _gpu, "gpu-model": _gpu, "vllm": _vllm}
+
+#: The envelope of an engine that declares nothing: the generator's own vllm-v1 family.
+UNDECLARED = Envelope(everything=True, source="no declaration: the vllm-v1 family (every knob drawn)")
+
+
+def builtin(name: str) -> Envelope | None:
+    return BUILTIN[name]() if name in BUILTIN else None
+
+
+def for_engine(name: str, override: str | os.PathLike | Envelope | Mapping | None = None) -> Envelope:
+    """The envelope of ``--engine name``: ``override`` (``--capabilities FILE``) if given, else
+    the built-in declaration, else the ``capabilities`` attribute of the registered or
+    ``MODULE:FACTORY`` factory, else :data:`UNDECLARED`.  Raises
+    :class:`fuzz.replay.EngineUnavailable` for an engine that cannot be found and
+    :class:`CapabilityError` for a declaration that cannot be read."""
+    if override is not None:
+        return load(override) if isinstance(override, (str, os.PathLike)) else parse(override)
+    found = builtin(name)
+    if found is not None:
+        return found
+    factory = engine_factory(name)
+    return declared(factory, name) or UNDECLARED
+
+
+def engine_factory(name: str):
+    """The factory behind ``--engine name`` (registering a ``MODULE:FACTORY`` on the way)."""
+    from fuzz.replay import ENGINES, EngineUnavailable, _import_factory, register_engine
+
+    if name not in ENGINES and ":" in name:
+        register_engine(name, _import_factory(name), f"{name} (imported)")
+    if name not in ENGINES:
+        try:
+            import fuzz.engines  # noqa: F401
+        except ImportError:
+            pass
+    if name not in ENGINES:
+        raise EngineUnavailable(f"unknown engine {name!r} (known: {', '.join(sorted(ENGINES))})")
+    return ENGINES[name].factory
