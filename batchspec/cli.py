@@ -325,7 +325,16 @@ def cmd_fuzz(args) -> int:
     cfg = CampaignConfig(seed=args.seed, engine=args.engine, level=args.level, traces=args.traces, seconds=args.seconds,
                          workers=args.workers or os.cpu_count() or 1, shard=(i, n), corpus=args.corpus,
                          timeout=args.timeout, shrink_tries=args.shrink_tries, resume=args.resume, ray=args.ray,
-                         profile=args.profile, knobs=knobs)
+                         profile=args.profile, knobs=knobs, capabilities=args.capabilities)
+    from fuzz.campaign import campaign_envelope
+    from fuzz.capabilities import CapabilityError
+    from fuzz.replay import EngineUnavailable
+
+    try:  # the engine's declared envelope, checked against --profile and --set before any work
+        envelope = campaign_envelope(cfg)
+    except (CapabilityError, EngineUnavailable) as e:
+        err_console.print(f"[red]error:[/] {e}", highlight=False)
+        return BAD_INPUT
     total = args.traces
     with Progress(TextColumn("[bold]fuzz[/] {task.fields[engine]}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[rate]:.1f} traces/s · findings {task.fields[findings]} · "
@@ -353,13 +362,15 @@ def cmd_fuzz(args) -> int:
     table.add_column("findings", justify="right")
     table.add_row(str(state.traces), str(state.steps), f"{state.traces / max(state.seconds, 1e-9):.1f}",
                   f"{len(state.covered)}/{len(RULES)}", str(len(state.findings)))
+    table.caption = f"engine {cfg.engine} implements: {envelope.describe()}" + (
+        f" ({state.outside_envelope} traces drawn outside it, not run)" if state.outside_envelope else "")
     console.print(table)
-    if state.findings:
-        ft = Table(title=f"findings (saved in {cfg.corpus}/)")
-        for col in ("signature", "hits", "first trace", "shrunk to"):
+    if state.findings:  # one row per group of divergences that share a cause (fuzz/corpus.py)
+        ft = Table(title=f"findings, one per group (saved in {cfg.corpus}/)")
+        for col in ("finding", "divergent traces", "raw signatures", "first trace", "shrunk to"):
             ft.add_column(col)
         for name, f in state.findings.items():
-            ft.add_row(name, str(f["count"]), str(f["first_trace"]),
+            ft.add_row(name, str(f["count"]), str(len(f.get("raw_signatures", [])) or 1), str(f["first_trace"]),
                        f"{f['requests']} requests" if f.get("requests") else f.get("error", "-"))
         console.print(ft)
     missed = sorted(set(RULES) - set(state.covered))
@@ -533,6 +544,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fix this profile's knobs in every random trace (" + ", ".join(sorted(PROFILES)) + "); 'all' rotates "
                     "through every profile (the default for the built-in engines gpu, gpu-model, reference; otherwise "
                     "the vllm-v1 family with every knob drawn)")
+    fz.add_argument("--capabilities", metavar="FILE", help="the knob values the engine implements (JSON, "
+                    "fuzz/capabilities.py), instead of what it declares itself: traces are drawn only inside them")
     fz.add_argument("--set", metavar="KNOB=VALUE,...",
                     help="knobs fixed in every random trace, over the profile (e.g. policy=priority); "
                     "`batchspec profiles` lists the knobs")
