@@ -758,11 +758,13 @@ def semantics_page(example_rules: dict[str, list[str]]) -> str:
            "freed; the model runs; each request that completed its prefill samples a token; stopped requests "
            "finish and free their blocks. A step in which nothing waits or runs is skipped.\n",
            "## Contents\n",
-           "- [Profiles](#profiles)\n- [Knobs](#knobs)\n- [Rules](#rules)\n- [Invariants](#invariants)\n",
+           "- [Profiles](#profiles)\n- [Phases](#phases)\n- [Knobs](#knobs)\n- [Rules](#rules)\n"
+           "- [Invariants](#invariants)\n",
            "## Profiles\n",
            table(["profile", "version", "reproduces"],
                  [[f"[`{p.name}`](profiles/{p.name}.md)", p.version, cell(p.reproduces)] for p in
                   (PROFILES[n] for n in sorted(PROFILES))]),
+           phases_section(),
            "\n## Knobs\n",
            "Each knob selects one member of the family of schedulers the spec defines; a profile fixes them all. "
            "A trace header may override any knob: `{\"profile\": \"vllm-v1\", \"num_blocks\": 64}`.\n"]
@@ -813,6 +815,44 @@ def semantics_page(example_rules: dict[str, list[str]]) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+def plan_choices(plan) -> list[tuple[str, str]]:
+    """A step plan's rule choices, as (what, rule ids) rows."""
+    def ids(v) -> str:
+        v = (v,) if isinstance(v, str) else v
+        return ", ".join(f"[`{r}`](#{anchor(r)})" if r in all_rules() else f"`{r}`" for r in v) or "none"
+
+    return [("preemption victim", ids(plan.victim)), ("a request that preempts itself", f"`{plan.self_preempt}`"),
+            ("how a victim is freed", ids(plan.preempt)), ("where a recomputed victim goes", ids(plan.requeue)),
+            ("admission checks (besides room and blocks)", ids(plan.admission_checks)),
+            ("admission allocates", ids(plan.reservation)), ("charged per scheduled chunk", ids(plan.on_schedule))]
+
+
+def phases_section() -> str:
+    """Each profile's phase list, and what each phase does (``spec.config.step_plan``)."""
+    from spec.rules import PHASES
+
+    all_rules()  # registers the phases (spec.scheduler)
+    out = ["\n## Phases\n",
+           "`SpecEngine.schedule` runs a configuration's phases top to bottom; the list is composed from the knobs "
+           "(`spec.config.step_plan`), so a trace that overrides a knob gets the phases of its values. After the "
+           "phases, the batch is built, the model samples, and the stop rules (`STOP.*`) finish requests.\n",
+           table(["profile", "phases, in order"],
+                 [[f"[`{n}`](profiles/{n}.md)", " → ".join(f"[`{ph}`](#phase-{ph})" for ph in PROFILES[n].plan.phases)]
+                  for n in sorted(PROFILES)]),
+           "\nRules a profile chooses where engines differ:\n"]
+    rows = []
+    for n in sorted(PROFILES):
+        plan = PROFILES[n].plan
+        rows.append([f"`{n}`"] + [v for _, v in plan_choices(plan)])
+    out.append(table(["profile"] + [w for w, _ in plan_choices(PROFILES["vllm-v1"].plan)], rows))
+    out.append("")
+    for name in sorted(PHASES):
+        ph = PHASES[name]
+        out.append(f"<a id=\"phase-{name}\"></a>\n### phase `{name}`\n")
+        out.append(md(ph.statement) + f" (`{ph.where}`)\n")
+    return "\n".join(out).rstrip()
+
+
 def profile_page(name: str, example_profiles: dict[str, list[str]]) -> str:
     p = PROFILES[name]
     base = PROFILES["vllm-v1"].config if "vllm-v1" in PROFILES else SchedulerConfig()
@@ -830,6 +870,12 @@ def profile_page(name: str, example_profiles: dict[str, list[str]]) -> str:
         out.append("## How it differs from `vllm-v1`\n")
         out.append("\n".join(f"- `{k}` = `{value(getattr(p.config, k))}` (`vllm-v1`: `{value(getattr(base, k))}`)"
                               for k in diffs) + "\n" if diffs else "It sets every knob as `vllm-v1` does.\n")
+    out.append("## Step\n")
+    out.append("Phases, in order: " + " → ".join(f"[`{ph}`](../semantics.md#phase-{ph})" for ph in p.plan.phases)
+               + " (then sampling and the stop rules).\n")
+    out.append(table(["where engines differ", "this profile's rule"],
+                     [[w, v.replace("](#", "](../semantics.md#")] for w, v in plan_choices(p.plan)]))
+    out.append("")
     out.append("## Knobs\n")
     rows = []
     for k in knob_names():

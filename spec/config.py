@@ -191,6 +191,73 @@ KNOB_CHOICES: dict[str, tuple[str, ...]] = {
 
 
 @dataclass(frozen=True)
+class StepPlan:
+    """How one step is composed under a configuration: its phases, run top to bottom by
+    ``SpecEngine.schedule``, and the rule chosen where engines differ.
+
+    The plan is a function of the knobs (:func:`step_plan`), not of the profile's name,
+    so a trace that overrides a knob gets the phases and rules of its knob values.
+    Every name is a phase of :data:`spec.rules.PHASES` or a rule id of :data:`spec.rules.RULES`.
+    """
+
+    #: Scheduling phases in order (after arrivals and aborts, before sampling and stop rules).
+    phases: tuple[str, ...]
+    #: Rule that picks the request to preempt when a running request lacks blocks.
+    victim: str
+    #: What a running request that preempted itself does: "stop" the running phase or "continue".
+    self_preempt: str
+    #: Rule that frees a victim: PREEMPT.RECOMPUTE, or SWAP.OUT (falling back to recompute).
+    preempt: str
+    #: Rule that puts a recomputed victim back in the waiting queue.
+    requeue: str
+    #: Tests a waiting request must pass, besides room in the batch and blocks, to be admitted.
+    admission_checks: tuple[str, ...]
+    #: Rule that sizes an admission's allocation: blocks for this step, or the whole life.
+    reservation: str
+    #: Rules applied to each chunk as it is scheduled (VTC.CHARGE).
+    on_schedule: tuple[str, ...]
+
+
+def step_plan(cfg: "SchedulerConfig") -> StepPlan:
+    """The phases and rules of one step under ``cfg``'s knobs.
+
+    Continuous batching serves the running requests, then (unless a gate holds
+    admission back) admits waiting ones; prefill-first admits first and ends the step
+    if anybody was admitted.  Extra phases join only with the knob that needs them.
+    """
+    swap = cfg.preemption_mode == "swap"
+    after_running = (("charge_vtc",) if cfg.policy == "vtc" else ()) + \
+        (("update_ratio",) if cfg.admission == "estimate" else ()) + (("swap_in",) if swap else ())
+    if cfg.batching == "prefill-first":
+        phases = (*(("hold_for_swapped",) if swap else ()), "schedule_waiting", "end_prefill_batch",
+                  "schedule_running", *after_running)
+    else:
+        gates = (("hold_static_batch",) if cfg.batching == "static" else ()) + \
+            (() if cfg.admit_after_preempt else ("hold_after_preempt",)) + (("hold_for_swapped",) if swap else ())
+        phases = ("schedule_running", *after_running, *gates, "schedule_waiting")
+    estimate = cfg.admission == "estimate"
+    if estimate:
+        victim = "RETRACT.VICTIM_FEWEST_OUTPUTS"
+    elif cfg.policy == "priority":
+        victim = "PREEMPT.VICTIM_LOWEST_PRIORITY"
+    else:
+        victim = "PREEMPT.VICTIM_NEWEST"
+    go_on = estimate or (cfg.policy == "priority" and cfg.priority_self_preempt == "continue")
+    return StepPlan(
+        phases=phases,
+        victim=victim,
+        self_preempt="continue" if go_on else "stop",
+        preempt="SWAP.OUT" if swap else "PREEMPT.RECOMPUTE",
+        requeue="RETRACT.TO_TAIL" if estimate else "QUEUE.VICTIM_TO_FRONT",
+        admission_checks=(() if cfg.enable_chunked_prefill else ("ADMIT.NO_CHUNKING",)) +
+                         (("ESTIMATE.ADMIT",) if estimate else ()),
+        reservation="ADMIT.RESERVE_FULL" if cfg.kv_reservation == "full" else
+                    "ADMIT.FULL_SEQUENCE" if cfg.scheduler_reserve_full_isl else "KV.NO_FREE_BLOCKS",
+        on_schedule=("VTC.CHARGE",) if cfg.policy == "vtc" else (),
+    )
+
+
+@dataclass(frozen=True)
 class Profile:
     """A named, versioned set of knob values and what it claims to reproduce."""
 
@@ -201,6 +268,11 @@ class Profile:
     sources: tuple[str, ...]
     #: Knobs the real engine has that this profile fixes, with their value and why.
     fixed: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def plan(self) -> StepPlan:
+        """The profile's step: its phase list and rule choices (:func:`step_plan`)."""
+        return step_plan(self.config)
 
 
 VLLM_V1 = Profile(

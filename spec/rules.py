@@ -62,6 +62,29 @@ def rule(rule_id: str, knobs: tuple[str, ...] = (), applies: Callable | None = N
     return wrap
 
 
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    statement: str  # what the phase does, in which order, and which rules decide in it
+    where: str  # the method that implements it
+
+
+#: Phase name -> the phase; a configuration's step is a list of these (spec.config.step_plan).
+PHASES: dict[str, Phase] = {}
+
+
+def phase(name: str) -> Callable[[F], F]:
+    """Register the decorated engine method as the phase ``name`` of a step; its
+    docstring is the phase's statement."""
+
+    def wrap(fn: F) -> F:
+        PHASES[name] = Phase(name, inspect.cleandoc(fn.__doc__ or ""), f"{fn.__module__}.{fn.__qualname__}")
+        fn.phase_name = name  # type: ignore[attr-defined]
+        return fn
+
+    return wrap
+
+
 def declare(rule_id: str, statement: str, where: str, knobs: tuple[str, ...] = (), fires: bool = True) -> str:
     """Register a rule that has no function of its own; return its id."""
     _register(rule_id, statement, where, knobs, fires)

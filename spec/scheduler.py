@@ -10,7 +10,8 @@ State (Lamport style; the invariants over it are in :mod:`spec.invariants`)
 Actions
     ``add_request``        ARRIVE.* / REJECT.*: queue it, or reject what can never be served
     ``abort_request``      ABORT.*: the client cancels; blocks are freed at once
-    ``schedule``           phase 1 (running requests, in order) then phase 2 (admissions)
+    ``schedule``           the configuration's phases, top to bottom (``SpecEngine.plan.phases``;
+                           vllm-v1: ``schedule_running``, ``hold_after_preempt``, ``schedule_waiting``)
     ``update_from_output`` append sampled tokens, apply stop rules, free finished requests
 
 One ``step()`` is ``schedule()``, the model's sampling, and
@@ -26,7 +27,7 @@ import enum
 from dataclasses import dataclass, field
 
 from spec import invariants
-from spec.config import SchedulerConfig, resolve
+from spec.config import SchedulerConfig, resolve, step_plan
 from spec.formats import (
     DEFAULT_EOS_TOKEN_ID,
     DEFAULT_VOCAB_SIZE,
@@ -42,7 +43,7 @@ from spec.formats import (
 from spec.kv import AllocFailure, KVCacheManager, cdiv, hash_block
 from spec.protocol import drive
 from spec.queues import make_queue
-from spec.rules import declare, fired, reason, rule
+from spec.rules import declare, fired, phase, reason, rule
 
 
 class Status(enum.Enum):
@@ -141,6 +142,22 @@ class SchedulerOutput:
         return [s.request_id for s in self.scheduled if s.samples]
 
 
+@dataclass
+class StepState:
+    """What the phases of one ``schedule()`` call share."""
+
+    out: SchedulerOutput
+    budget: int  # tokens left in this step (rule BUDGET.TOKENS)
+    cap: int  # per-request token cap (rule BUDGET.LONG_PREFILL), 0 = none
+    starved: bool  # nothing ran at the start, something waited
+    start: dict[str, int]  # request -> first position computed in this step
+    scheduled: dict[str, int] = field(default_factory=dict)  # request -> tokens, in batch order
+    ran: bool = False  # the running phase found running requests
+    admission_held: bool = False  # a gate phase (hold_*) has closed admission for this step
+    step_ends: bool = False  # a phase ended the step (prefill-first)
+    rem: float | None = None  # admission="estimate": SGLang's rem_total_tokens for this round
+
+
 # --------------------------------------------------------------------------
 # Rules: small functions, each the statement of one decision.
 # --------------------------------------------------------------------------
@@ -226,6 +243,20 @@ def priority_victim(running: list[Request]) -> Request:
     (priority, arrival): the least important, then the latest.  It may already be
     scheduled in this step; its tokens are then given back to the budget."""
     return max(running, key=lambda r: (r.priority, r.arrival_seq))
+
+
+#: Victim rules by id; each entry calls the rule by its module name when it runs, so the
+#: plan's choice stays a rule id and a test can plant a wrong rule under the same name.
+VICTIM_RULES = {
+    "PREEMPT.VICTIM_NEWEST": lambda running: fcfs_victim(running),
+    "PREEMPT.VICTIM_LOWEST_PRIORITY": lambda running: priority_victim(running),
+    "RETRACT.VICTIM_FEWEST_OUTPUTS": lambda running: fewest_outputs_victim(running),
+}
+
+
+def pick_victim(rule_id: str, running: list[Request]) -> Request:
+    """The request to preempt, by the plan's victim rule."""
+    return VICTIM_RULES[rule_id](running)
 
 
 @rule("RETRACT.VICTIM_FEWEST_OUTPUTS", knobs=("admission",))
@@ -571,6 +602,7 @@ class SpecEngine:
         self.cpu_free = config.num_cpu_blocks
         self.cpu_blocks: dict[str, int] = {}  # swapped request -> CPU blocks it holds
         self.new_token_ratio = config.new_token_ratio_init  # admission="estimate" (rule ESTIMATE.RATIO)
+        self._compose(step_plan(config))
         self.requests: dict[str, Request] = {}
         self.rejected: dict[str, str] = {}
         self._fed: dict[str, int] | None = None
@@ -579,6 +611,25 @@ class SpecEngine:
 
     def _now(self) -> int:
         return self.clock
+
+    def _compose(self, plan) -> None:
+        """Bind the plan's phases and rule choices (:func:`spec.config.step_plan`) to this engine."""
+        self.plan = plan
+        by_phase = {getattr(m, "phase_name", None): name for name, m in vars(SpecEngine).items()}
+        self.phases = [getattr(self, by_phase[p]) for p in plan.phases]
+        checks = {"ADMIT.NO_CHUNKING": self._check_no_chunking, "ESTIMATE.ADMIT": self._check_estimate}
+        self.admission_checks = [checks[c] for c in plan.admission_checks]
+        self.allocate_admission = self._allocate_reserved if plan.reservation == "ADMIT.RESERVE_FULL" \
+            else self._allocate_step
+        self.free_victim = self._preempt_by_swap if plan.preempt == "SWAP.OUT" else self._preempt_by_recompute
+        self.requeue = self._requeue_tail if plan.requeue == "RETRACT.TO_TAIL" else self.waiting.prepend
+        self.on_schedule = [self._charge] if "VTC.CHARGE" in plan.on_schedule else []
+        estimate = self.config.admission == "estimate"
+        #: run when a step ends or an abort leaves the engine (the ratio's reset when idle)
+        self.on_idle = [self._reset_ratio] if estimate else []
+        #: record fields only some configurations have
+        self.record_extras = ([self._record_cpu_pool] if plan.preempt == "SWAP.OUT" else []) + \
+            ([self._record_ratio] if estimate else [])
 
     @classmethod
     def from_trace(cls, trace: Trace, **kw) -> "SpecEngine":
@@ -652,8 +703,7 @@ class SpecEngine:
         else:
             self.waiting.remove(req)
         self._finish(req, Status.ABORTED, None)
-        if self.config.admission == "estimate" and not self.has_unfinished_requests():
-            self.new_token_ratio = self.config.new_token_ratio_init  # idle: rule ESTIMATE.RATIO
+        self._when_idle()
         self._aborted.append(request_id)
         self._reasons.append(reason(ABORT, request_id, "aborted by the client"))
 
@@ -677,50 +727,95 @@ class SpecEngine:
     # -- schedule --------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Decide this step's batch: running requests first, then swap-ins, then admissions
-        (under prefill-first: admissions first, and the rest only if nobody was admitted)."""
-        out = SchedulerOutput()
-        cfg = self.config
-        budget = cfg.max_num_batched_tokens
-        cap = long_prefill_cap(cfg, len(self.running) + len(self.waiting))
-        starved = not self.running and (len(self.waiting) > 0 or bool(self.swapped))
-        start = {r.request_id: r.num_computed_tokens for r in self.running}
-        scheduled: dict[str, int] = {}
-        if cfg.batching == "prefill-first":
-            if self.swapped:
-                self._swapped_first(out)
-            else:
-                budget = self._schedule_waiting(out, scheduled, start, budget, cap)
-            if out.new or out.resumed:
-                prefill_batch_first(self.running, out)
-                return self._finish_schedule(out, scheduled, start, starved)
-        ran = bool(self.running)
-        budget = self._schedule_running(out, scheduled, budget, cap)
-        if self.vtc:
-            for rid, n in scheduled.items():
-                self._charge(self.requests[rid], start[rid], n)
-        if cfg.admission == "estimate" and ran:
-            self.new_token_ratio = next_ratio(self.new_token_ratio, bool(out.preempted), self.running, cfg)
-        if self.swapped and not out.preempted:
-            budget = self._schedule_swapped(out, scheduled, start, budget, cap)
-        if cfg.batching == "prefill-first":
-            pass  # admissions were tried first and found nothing
-        elif cfg.batching == "static" and not starved:
-            static_batch_busy(self.waiting, out)
-        elif out.preempted and not cfg.admit_after_preempt:
-            if len(self.waiting):
-                head = self.waiting.peek().request_id
-                out.reasons.append(reason(ADMIT_AFTER_PREEMPT, head, f"{len(out.preempted)} preempted; no admissions"))
-        elif self.swapped:
-            self._swapped_first(out)
-        else:
-            budget = self._schedule_waiting(out, scheduled, start, budget, cap)
-        return self._finish_schedule(out, scheduled, start, starved)
+        """Decide this step's batch: run the configuration's phases top to bottom
+        (``self.plan.phases``, see :func:`spec.config.step_plan`), then build the batch."""
+        st = StepState(
+            out=SchedulerOutput(),
+            budget=self.config.max_num_batched_tokens,
+            cap=long_prefill_cap(self.config, len(self.running) + len(self.waiting)),
+            starved=not self.running and (len(self.waiting) > 0 or bool(self.swapped)),
+            start={r.request_id: r.num_computed_tokens for r in self.running},
+        )
+        for run_phase in self.phases:
+            run_phase(st)
+            if st.step_ends:
+                break
+        return self._finish_schedule(st.out, st.scheduled, st.start, st.starved)
 
-    def _swapped_first(self, out: SchedulerOutput) -> None:
+    # -- phases, in the order the profiles use them --------------------------
+
+    @phase("schedule_running")
+    def _phase_running(self, st: StepState) -> None:
+        """Serve the running requests in running-list order, each the tokens it still
+        lacks within the budget (RUN.*, BUDGET.*), preempting by the plan's victim rule
+        when blocks run out (RUN.PREEMPT_FOR_BLOCKS)."""
+        st.ran = bool(self.running)
+        st.budget = self._schedule_running(st.out, st.scheduled, st.budget, st.cap)
+
+    @phase("hold_after_preempt")
+    def _phase_hold_after_preempt(self, st: StepState) -> None:
+        """A step that preempted admits nobody (ADMIT.NONE_AFTER_PREEMPT)."""
+        if st.admission_held or not st.out.preempted:
+            return
+        st.admission_held = True
         if len(self.waiting):
-            out.reasons.append(reason(SWAP_BEFORE_WAITING, self.waiting.peek().request_id,
-                                      f"{len(self.swapped)} swapped out; no admissions"))
+            head = self.waiting.peek().request_id
+            st.out.reasons.append(reason(ADMIT_AFTER_PREEMPT, head, f"{len(st.out.preempted)} preempted; no admissions"))
+
+    @phase("schedule_waiting")
+    def _phase_waiting(self, st: StepState) -> None:
+        """Admit from the head of the waiting queue while the head fits: room in the
+        batch, the plan's admission checks, then blocks (ADMIT.*, CACHE.HIT); the first
+        head that does not fit stops admission (WAIT.QUEUED)."""
+        if not st.admission_held:
+            st.budget = self._schedule_waiting(st)
+
+    @phase("hold_static_batch")
+    def _phase_hold_static(self, st: StepState) -> None:
+        """Under static batching nobody joins while any of the batch runs (BATCH.STATIC)."""
+        if not st.admission_held and not st.starved:
+            st.admission_held = True
+            static_batch_busy(self.waiting, st.out)
+
+    @phase("hold_for_swapped")
+    def _phase_hold_for_swapped(self, st: StepState) -> None:
+        """Nobody is admitted while a request is swapped out (SWAP.BEFORE_WAITING)."""
+        if st.admission_held or not self.swapped:
+            return
+        st.admission_held = True
+        if len(self.waiting):
+            st.out.reasons.append(reason(SWAP_BEFORE_WAITING, self.waiting.peek().request_id,
+                                         f"{len(self.swapped)} swapped out; no admissions"))
+
+    @phase("end_prefill_batch")
+    def _phase_end_prefill_batch(self, st: StepState) -> None:
+        """Prefill-first: a step that admitted anybody is a prefill-only batch and ends
+        here; the running requests wait for a step that admits nobody (BATCH.PREFILL_FIRST)."""
+        if st.out.new or st.out.resumed:
+            prefill_batch_first(self.running, st.out)
+            st.step_ends = True
+
+    @phase("charge_vtc")
+    def _phase_charge_vtc(self, st: StepState) -> None:
+        """VTC: the running phase's chunks are charged to their tenants, in running order (VTC.CHARGE)."""
+        for rid, n in st.scheduled.items():
+            self._charge(self.requests[rid], st.start[rid], n)
+
+    @phase("update_ratio")
+    def _phase_update_ratio(self, st: StepState) -> None:
+        """SGLang: after a running phase that served anybody, new_token_ratio decays, or
+        jumps back up after a retraction (ESTIMATE.RATIO)."""
+        if st.ran:
+            self.new_token_ratio = next_ratio(self.new_token_ratio, bool(st.out.preempted), self.running, self.config)
+
+    @phase("swap_in")
+    def _phase_swap_in(self, st: StepState) -> None:
+        """In a step that preempted nobody, swapped-out requests come back first, oldest
+        first (SWAP.IN)."""
+        if self.swapped and not st.out.preempted:
+            st.budget = self._schedule_swapped(st)
+
+    # -- what the phases share ------------------------------------------------
 
     def _charge(self, req: Request, start: int, n: int) -> None:
         """VTC: charge the chunk ``start .. start+n-1`` to the request's tenant (rule VTC.CHARGE)."""
@@ -743,7 +838,7 @@ class SpecEngine:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, scheduled: dict[str, int], budget: int, cap: int) -> int:
-        """Phase 1: walk the running list in order, preempting when blocks run out."""
+        """Walk the running list in order, preempting when blocks run out; return the budget left."""
         cfg = self.config
         i = 0
         while i < len(self.running) and budget > 0:
@@ -755,12 +850,7 @@ class SpecEngine:
                 continue
             alloc = self.kv.allocate_slots(req, n)
             while isinstance(alloc, AllocFailure):
-                if cfg.admission == "estimate":
-                    victim, rule_id = fewest_outputs_victim(self.running), "RETRACT.VICTIM_FEWEST_OUTPUTS"
-                elif cfg.policy == "priority":
-                    victim, rule_id = priority_victim(self.running), "PREEMPT.VICTIM_LOWEST_PRIORITY"
-                else:
-                    victim, rule_id = fcfs_victim(self.running), "PREEMPT.VICTIM_NEWEST"
+                victim = pick_victim(self.plan.victim, self.running)
                 index = self.running.index(victim)
                 self.running.pop(index)
                 if index < i:
@@ -768,12 +858,13 @@ class SpecEngine:
                 if victim.request_id in scheduled:
                     budget += scheduled.pop(victim.request_id)
                 self._preempt(victim, out)
-                out.reasons.append(reason(rule_id, victim.request_id, f"preempted so that {req.request_id} gets blocks ({alloc.text})"))
+                out.reasons.append(reason(self.plan.victim, victim.request_id,
+                                          f"preempted so that {req.request_id} gets blocks ({alloc.text})"))
                 if victim is req:
                     break
                 alloc = self.kv.allocate_slots(req, n)
             if isinstance(alloc, AllocFailure):
-                go_on = cfg.admission == "estimate" or (cfg.policy == "priority" and cfg.priority_self_preempt == "continue")
+                go_on = self.plan.self_preempt == "continue"
                 out.reasons.append(reason(RUN_NO_BLOCKS, req.request_id, "preempted itself; " + (
                     "continuing with the next running request" if go_on else "running phase ends")))
                 if go_on:
@@ -803,12 +894,9 @@ class SpecEngine:
             return True
         return False
 
-    def _schedule_waiting(
-        self, out: SchedulerOutput, scheduled: dict[str, int], start: dict[str, int], budget: int, cap: int
-    ) -> int:
-        """Phase 2: admit from the head of the waiting queue while everything fits."""
-        cfg = self.config
-        rem = None  # admission="estimate": SGLang's rem_total_tokens, fixed when the round begins
+    def _schedule_waiting(self, st: StepState) -> int:
+        """Admit from the head of the waiting queue while everything fits; return the budget left."""
+        out, budget = st.out, st.budget
         while len(self.waiting):
             req = self.waiting.peek()
             rid = req.request_id
@@ -816,25 +904,10 @@ class SpecEngine:
                 break
             hit_blocks, hit = self.kv.get_computed_blocks(req)
             remaining = req.num_tokens - hit
-            if not cfg.enable_chunked_prefill and (cap if 0 < cap < remaining else remaining) > budget:
-                out.reasons.append(reason(ADMIT_NO_CHUNKING, rid, f"needs {remaining} tokens at once, budget {budget}"))
+            if not all(check(st, req, remaining, budget) for check in self.admission_checks):
                 break
-            if cfg.admission == "estimate":
-                bs = cfg.block_size
-                if rem is None:
-                    ratio = self.new_token_ratio
-                    rem = self.kv.pool.num_free_blocks * bs - sum(ratio * remaining_output(r, cfg) for r in self.running)
-                need = remaining + remaining_output(req, cfg) + bs
-                if not estimate_admits(need, rem):
-                    out.reasons.append(reason("ESTIMATE.ADMIT", rid, f"needs {need} tokens, {rem:.3f} estimated free "
-                                                                     f"(new_token_ratio {self.new_token_ratio:.6f})"))
-                    break
-                rem -= cdiv(remaining, bs) * bs + remaining_output(req, cfg) + bs
-            n = chunk_size(remaining, cap, budget)
-            watermark = cfg.watermark_blocks if self.running else 0
-            reserve = reservation(req, cfg)
-            alloc = self.kv.allocate_slots(req, n, hit_blocks, hit, cfg.scheduler_reserve_full_isl and not reserve,
-                                           watermark, reserve)
+            n = chunk_size(remaining, st.cap, budget)
+            alloc = self.allocate_admission(req, n, hit_blocks, hit)
             if isinstance(alloc, AllocFailure):
                 out.reasons.append(reason(alloc.rule, rid, alloc.text))
                 break
@@ -844,27 +917,67 @@ class SpecEngine:
             (out.resumed if resumed else out.new).append(rid)
             req.status = Status.RUNNING
             req.num_computed_tokens = hit
-            start[rid] = hit
-            scheduled[rid] = n
+            st.start[rid] = hit
+            st.scheduled[rid] = n
             out.cache_hits[rid] = hit
             budget -= n
-            if self.vtc:
-                self._charge(req, hit, n)
+            for on_schedule in self.on_schedule:
+                on_schedule(req, hit, n)
             what = f"{n} tokens" + (f" after a prefix hit of {hit}" if hit else "")
             out.reasons.append(reason(ADMIT_RESUMED if resumed else ADMIT_NEW, rid, what))
         return budget
 
-    def _schedule_swapped(
-        self, out: SchedulerOutput, scheduled: dict[str, int], start: dict[str, int], budget: int, cap: int
-    ) -> int:
-        """Swap-ins (rule SWAP.IN): resume swapped requests in order while they fit."""
+    # -- admission checks and allocations (chosen by the plan) -----------------
+
+    def _check_no_chunking(self, st: StepState, req: Request, remaining: int, budget: int) -> bool:
+        """ADMIT.NO_CHUNKING: with chunked prefill off, the head's tokens must fit the budget at once."""
+        cap = st.cap
+        if (cap if 0 < cap < remaining else remaining) > budget:
+            st.out.reasons.append(reason(ADMIT_NO_CHUNKING, req.request_id,
+                                         f"needs {remaining} tokens at once, budget {budget}"))
+            return False
+        return True
+
+    def _check_estimate(self, st: StepState, req: Request, remaining: int, budget: int) -> bool:
+        """ESTIMATE.ADMIT: SGLang's rem_total_tokens test, ``rem`` fixed when the round's
+        first head reaches it and charged by every admission after."""
+        cfg, bs = self.config, self.config.block_size
+        if st.rem is None:
+            ratio = self.new_token_ratio
+            st.rem = self.kv.pool.num_free_blocks * bs - sum(ratio * remaining_output(r, cfg) for r in self.running)
+        need = remaining + remaining_output(req, cfg) + bs
+        if not estimate_admits(need, st.rem):
+            st.out.reasons.append(reason("ESTIMATE.ADMIT", req.request_id,
+                                         f"needs {need} tokens, {st.rem:.3f} estimated free "
+                                         f"(new_token_ratio {self.new_token_ratio:.6f})"))
+            return False
+        st.rem -= cdiv(remaining, bs) * bs + remaining_output(req, cfg) + bs
+        return True
+
+    def _allocate_step(self, req: Request, n: int, hit_blocks: list, hit: int):
+        """Blocks for this step's chunk (the whole current sequence must fit under
+        ADMIT.FULL_SEQUENCE; the watermark applies beside running requests)."""
         cfg = self.config
+        watermark = cfg.watermark_blocks if self.running else 0
+        return self.kv.allocate_slots(req, n, hit_blocks, hit, cfg.scheduler_reserve_full_isl, watermark)
+
+    def _allocate_reserved(self, req: Request, n: int, hit_blocks: list, hit: int):
+        """ADMIT.RESERVE_FULL: blocks for the request's whole life at once."""
+        cfg = self.config
+        watermark = cfg.watermark_blocks if self.running else 0
+        reserve = reservation(req, cfg)
+        return self.kv.allocate_slots(req, n, hit_blocks, hit, cfg.scheduler_reserve_full_isl and not reserve,
+                                      watermark, reserve)
+
+    def _schedule_swapped(self, st: StepState) -> int:
+        """Swap-ins (rule SWAP.IN): resume swapped requests in order while they fit; return the budget left."""
+        cfg, out, budget = self.config, st.out, st.budget
         while self.swapped:
             req = self.swapped[0]
             rid = req.request_id
             if self._no_room_to_join(out, rid, budget, "not swapped in"):
                 break
-            n = chunk_size(req.num_tokens - req.num_computed_tokens, cap, budget)
+            n = chunk_size(req.num_tokens - req.num_computed_tokens, st.cap, budget)
             n = model_len_cap(n, req.num_computed_tokens, cfg)
             watermark = cfg.watermark_blocks if self.running else 0
             alloc = self.kv.allocate_slots(req, n, (), 0, cfg.scheduler_reserve_full_isl, watermark)
@@ -875,13 +988,13 @@ class SpecEngine:
             self.cpu_free += self.cpu_blocks.pop(rid)
             self.running.append(req)
             req.status = Status.RUNNING
-            start[rid] = req.num_computed_tokens
-            scheduled[rid] = n
+            st.start[rid] = req.num_computed_tokens
+            st.scheduled[rid] = n
             budget -= n
             out.resumed.append(rid)
             out.swapped_in.append(rid)
-            if self.vtc:
-                self._charge(req, req.num_computed_tokens, n)
+            for on_schedule in self.on_schedule:
+                on_schedule(req, req.num_computed_tokens, n)
             out.reasons.append(reason(SWAP_IN, rid, f"{n} tokens; {self.cpu_free} CPU blocks free"))
         return budget
 
@@ -893,32 +1006,41 @@ class SpecEngine:
                 continue
             out.reasons.append(reason(WAIT_QUEUED, req.request_id, f"position {pos} behind {head}"))
 
+    # -- preemption (the plan picks how a victim is freed and requeued) --------
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        cfg = self.config
         req.num_preemptions += 1
         out.preempted.append(req.request_id)
-        if cfg.preemption_mode == "swap":
-            need = cdiv(req.num_computed_tokens, cfg.block_size)
-            if need <= self.cpu_free:
-                self.kv.free(req.request_id)
-                self.cpu_free -= need
-                self.cpu_blocks[req.request_id] = need
-                req.status = Status.SWAPPED
-                self.swapped.append(req)
-                self.swapped.sort(key=self._swap_key)
-                out.swapped_out.append(req.request_id)
-                out.reasons.append(reason(SWAP_OUT, req.request_id, f"{need} CPU blocks, {self.cpu_free} left"))
-                return
-            out.reasons.append(reason(SWAP_FALLBACK, req.request_id, f"needs {need} CPU blocks, {self.cpu_free} free"))
+        self.free_victim(req, out)
+
+    def _preempt_by_recompute(self, req: Request, out: SchedulerOutput) -> None:
+        """PREEMPT.RECOMPUTE: free every block, forget the computed tokens, requeue."""
         fired(PREEMPT_RECOMPUTE)
         self.kv.free(req.request_id)
         req.status = Status.PREEMPTED
         req.num_computed_tokens = 0
-        if cfg.admission == "estimate":
-            fired(RETRACT_TO_TAIL)
-            self.waiting.requeue_tail(req)
-        else:
-            self.waiting.prepend(req)
+        self.requeue(req)
+
+    def _preempt_by_swap(self, req: Request, out: SchedulerOutput) -> None:
+        """SWAP.OUT, or SWAP.FALLBACK_RECOMPUTE when the CPU pool is too small."""
+        need = cdiv(req.num_computed_tokens, self.config.block_size)
+        if need > self.cpu_free:
+            out.reasons.append(reason(SWAP_FALLBACK, req.request_id, f"needs {need} CPU blocks, {self.cpu_free} free"))
+            self._preempt_by_recompute(req, out)
+            return
+        self.kv.free(req.request_id)
+        self.cpu_free -= need
+        self.cpu_blocks[req.request_id] = need
+        req.status = Status.SWAPPED
+        self.swapped.append(req)
+        self.swapped.sort(key=self._swap_key)
+        out.swapped_out.append(req.request_id)
+        out.reasons.append(reason(SWAP_OUT, req.request_id, f"{need} CPU blocks, {self.cpu_free} left"))
+
+    def _requeue_tail(self, req: Request) -> None:
+        """RETRACT.TO_TAIL: a retracted request joins the waiting queue's tail."""
+        fired(RETRACT_TO_TAIL)
+        self.waiting.requeue_tail(req)
 
     def _swap_key(self, req: Request) -> tuple:
         if self.config.policy == "priority":
@@ -952,13 +1074,27 @@ class SpecEngine:
         if finished:
             self.running = [r for r in self.running if r.status == Status.RUNNING]
         self.clock += 1
-        if self.config.admission == "estimate" and not self.has_unfinished_requests():
-            self.new_token_ratio = self.config.new_token_ratio_init  # idle: rule ESTIMATE.RATIO
+        self._when_idle()
         record = self._record(out, finished, took)
         if self.check_invariants:
             invariants.check_state(self)
         self._begin_step()
         return record
+
+    def _when_idle(self) -> None:
+        if self.on_idle and not self.has_unfinished_requests():
+            for hook in self.on_idle:
+                hook()
+
+    def _reset_ratio(self) -> None:
+        """ESTIMATE.RATIO: an engine that becomes empty restarts from new_token_ratio_init."""
+        self.new_token_ratio = self.config.new_token_ratio_init
+
+    def _record_cpu_pool(self, record: StepRecord) -> None:
+        record.num_free_cpu_blocks = self.cpu_free
+
+    def _record_ratio(self, record: StepRecord) -> None:
+        record.new_token_ratio = self.new_token_ratio
 
     def _finish(self, req: Request, status: Status, why: str | None) -> None:
         self.kv.free(req.request_id)
@@ -990,10 +1126,8 @@ class SpecEngine:
         record.blocks = {rid: len(t) for rid, t in held}
         record.cache_hits = out.cache_hits
         record.num_evicted = len(evicted)
-        if self.config.preemption_mode == "swap":
-            record.num_free_cpu_blocks = self.cpu_free
-        if self.config.admission == "estimate":
-            record.new_token_ratio = self.new_token_ratio
+        for extra in self.record_extras:
+            extra(record)
         if self.record_level == "exact":
             record.block_ids = {rid: [b.block_id for b in t] for rid, t in held}
             record.evicted = evicted
