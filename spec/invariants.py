@@ -1,7 +1,7 @@
 """Invariant predicates over the spec's state, checked after every step when enabled.
 
 Each invariant has a stable id, a statement, and the real-bug families it
-catches (ids from shared/reference/real-bugs.md).  ``check_state`` runs the
+catches (ids from docs/reference/real-bugs.md).  ``check_state`` runs the
 state invariants after a whole step; ``check_schedule`` runs the ones about a
 step's decisions right after ``schedule()``.  A violation raises
 :class:`InvariantViolation` naming the invariant and the evidence.

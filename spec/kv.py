@@ -14,7 +14,7 @@ Actions (each preserves the invariants in :mod:`spec.invariants`)
     ``touch``                take cached blocks out of the free queue for a hit
 
 Everything follows vLLM V1 (``block_pool.py``, ``kv_cache_manager.py``; see
-shared/reference/vllm-v1-semantics.md §2), with block ids equal to vLLM's.
+docs/reference/vllm-v1.md §2), with block ids equal to vLLM's.
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ One ``step()`` is ``schedule()``, the model's sampling, and
 (:mod:`spec.rules`) and a human-readable reason in the step record.
 
 The ``vllm-v1`` profile reproduces vLLM 0.32's V1 scheduler with synchronous
-scheduling (shared/reference/vllm-v1-semantics.md §1, §3, §4).
+scheduling (docs/reference/vllm-v1.md §1, §3, §4).
 """
 from __future__ import annotations
 

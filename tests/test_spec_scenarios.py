@@ -1,5 +1,5 @@
 """Scenario tests: small traces whose decisions were worked out by hand from
-shared/reference/vllm-v1-semantics.md, step by step.  Block size 4 throughout;
+docs/reference/vllm-v1.md, step by step.  Block size 4 throughout;
 ``num_blocks`` counts the null block 0, so N blocks give N-1 usable ones.
 The derivation of each expectation is in the test's comments.
 """
