@@ -325,8 +325,10 @@ def cmd_fuzz(args) -> int:
     cfg = CampaignConfig(seed=args.seed, engine=args.engine, level=args.level, traces=args.traces, seconds=args.seconds,
                          workers=args.workers or os.cpu_count() or 1, shard=(i, n), corpus=args.corpus,
                          timeout=args.timeout, shrink_tries=args.shrink_tries, resume=args.resume, ray=args.ray,
-                         profile=args.profile, knobs=knobs, capabilities=args.capabilities)
-    from fuzz.campaign import campaign_envelope
+                         profile=args.profile, knobs=knobs, capabilities=args.capabilities, max_findings=args.max_findings)
+    from fuzz.campaign import CampaignInterrupted, campaign_envelope, first_finding_text, validate_options
+
+    validate_options(cfg)  # OptionError (exit 2, one line) before any work: every option, the engine, --resume
     from fuzz.capabilities import CapabilityError
     from fuzz.replay import EngineUnavailable
 
@@ -350,8 +352,8 @@ def cmd_fuzz(args) -> int:
 
         try:
             state = run_campaign(cfg, on_round=on_round)
-        except KeyboardInterrupt:
-            console.print(f"interrupted: state saved; continue with the same command plus --resume")
+        except CampaignInterrupted as e:  # workers ignore SIGINT: this one line, no tracebacks
+            err_console.print(str(e), highlight=False)
             return 130
     table = Table(title=f"campaign seed {cfg.seed}, shard {i}/{n}: spec vs {cfg.engine} at the {cfg.level} level"
                   + (f", profile {cfg.profile}" if cfg.profile else ""))
@@ -360,8 +362,9 @@ def cmd_fuzz(args) -> int:
     table.add_column("traces/s", justify="right")
     table.add_column("rule ids hit", justify="right")
     table.add_column("findings", justify="right")
+    table.add_column("first finding", justify="right")
     table.add_row(str(state.traces), str(state.steps), f"{state.traces / max(state.seconds, 1e-9):.1f}",
-                  f"{len(state.covered)}/{len(RULES)}", str(len(state.findings)))
+                  f"{len(state.covered)}/{len(RULES)}", str(len(state.findings)), first_finding_text(state))
     table.caption = f"engine {cfg.engine} implements: {envelope.describe()}" + (
         f" ({state.outside_envelope} traces drawn outside it, not run)" if state.outside_envelope else "")
     console.print(table)
@@ -376,9 +379,14 @@ def cmd_fuzz(args) -> int:
     missed = sorted(set(RULES) - set(state.covered))
     if missed:
         console.print(f"rule ids not hit: {', '.join(missed)}")
+    incomplete = [name for name, f in state.findings.items() if str(f.get("report", "ok")).startswith("incomplete")]
+    if incomplete:
+        err_console.print(f"{len(incomplete)} report(s) could not be written whole ({incomplete[0]}: "
+                          f"{state.findings[incomplete[0]]['report']}); --resume writes them", highlight=False)
     if state.errors:
         err_console.print(f"[red]{state.errors} traces failed inside the harness[/]; first: {state.first_error}")
-    return 1 if state.findings or state.errors else 0
+    # 1: the engine diverged; 2: only the harness or the input failed (e.g. an engine that cannot be built)
+    return 1 if state.findings else 2 if state.errors else 0
 
 
 def cmd_replay(args) -> int:
@@ -538,7 +546,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds per trace before it counts as a hang (default 60)")
     fz.add_argument("--shrink-tries", type=int_option(0, 1_000_000), default=400, metavar="N",
                     help="replays spent shrinking each finding (default 400)")
-    fz.add_argument("--resume", action="store_true", help="continue the campaign saved in the corpus directory")
+    fz.add_argument("--resume", action="store_true", help="continue the campaign saved in the corpus directory "
+                    "(exit 2 when there is no state of this campaign there)")
+    fz.add_argument("--max-findings", type=int_option(1, MAX_TRACES), metavar="N",
+                    help="stop once N findings are saved (each is written the moment it is shrunk)")
     fz.add_argument("--ray", metavar="ADDRESS", help="run the traces on an existing Ray cluster (extra `ray`)")
     fz.add_argument("--profile", metavar="PROFILE", choices=["all", *sorted(PROFILES)],
                     help="fix this profile's knobs in every random trace (" + ", ".join(sorted(PROFILES)) + "); 'all' rotates "

@@ -21,8 +21,10 @@ of local processes; they share the same corpus directory.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import math
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fuzz.corpus import save_finding
+from spec.io import OptionError
 from fuzz.generate import profile_knobs, random_trace
 import fuzz.engines  # noqa: F401  (registers gpu, gpu-model, reference)
 from fuzz.replay import ReplayResult, replay
@@ -388,6 +391,18 @@ def _ray_runner(address: str):
 # -- the campaign ---------------------------------------------------------------
 
 
+STATE_FORMAT = "batchspec-campaign"
+MAX_STATE_BYTES = 64 << 20  # a state file holds counters and one entry per finding group
+
+
+class StateError(OptionError):
+    """A ``--resume`` state file that cannot be used: ``FILE: FIELD: problem`` (exit 2)."""
+
+    def __init__(self, path: os.PathLike | str, field_name: str, problem: str):
+        super().__init__("--resume", f"{path}: {field_name}: {problem}")
+        self.path, self.field = str(path), field_name
+
+
 @dataclass
 class CampaignState:
     seed: int
@@ -405,6 +420,11 @@ class CampaignState:
     envelope: str = ""  # the engine's declared envelope (fuzz.capabilities), as the summary states it
     outside_envelope: int = 0  # traces drawn outside it, not run (0 unless a knob draw escaped it)
     raw_groups: dict[str, str] = field(default_factory=dict)  # raw signature slug -> its group (finding)
+    first_finding: dict | None = None  # {"seconds", "traces", "trace"}: when the first finding was saved
+    profile: str | None = None  # the options the state belongs to (checked on --resume)
+    knobs: dict[str, Any] = field(default_factory=dict)
+    format: str = STATE_FORMAT
+    version: int = 1
 
     def save(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")
@@ -412,10 +432,124 @@ class CampaignState:
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: Path) -> "CampaignState":
-        obj = json.loads(path.read_text())
+    def load(cls, path: Path, cfg: "CampaignConfig | None" = None) -> "CampaignState":
+        """Read a saved state, refusing (:class:`StateError`, naming the field) one that is empty,
+        truncated, foreign, of the wrong types, or — with ``cfg`` — from another campaign."""
+        obj = _read_state(path)
+        _check_state_types(path, obj, cls)
+        if "format" not in obj:  # written before states named their format: profile and knobs were not kept
+            obj["version"] = 0
         obj["shard"] = tuple(obj["shard"])
-        return cls(**obj)
+        state = cls(**obj)
+        if cfg is not None:
+            _check_state_matches(path, state, cfg)
+        return state
+
+
+def _read_state(path: Path) -> dict:
+    """The state file's JSON object, or :class:`StateError` (empty, truncated, too big, not an object)."""
+    try:
+        size = os.stat(path).st_size
+        if not os.path.isfile(path):
+            raise StateError(path, "file", "not a regular file")
+        if size > MAX_STATE_BYTES:
+            raise StateError(path, "file", f"{size} bytes is over the {MAX_STATE_BYTES}-byte limit of a campaign state")
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise StateError(path, "file", f"cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise StateError(path, "file", "not UTF-8 text (not a campaign state)") from None
+    if not text.strip():
+        raise StateError(path, "file", "empty (a campaign state is one JSON object; delete it to start afresh)")
+    try:
+        obj = json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(f"{c} is not a number")))
+    except RecursionError:
+        raise StateError(path, "file", "nested too deeply (not a campaign state)") from None
+    except json.JSONDecodeError as e:
+        raise StateError(f"{path}:{e.lineno}", "file", f"not valid JSON ({e.msg}): truncated or not a campaign state") from None
+    except ValueError as e:
+        raise StateError(path, "file", f"not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise StateError(path, "file", f"expected a JSON object, got {type(obj).__name__} (not a campaign state)")
+    if obj.get("format", STATE_FORMAT) != STATE_FORMAT or not {"seed", "engine", "level"} <= set(obj):
+        raise StateError(path, "format", f"not a campaign state (expected format {STATE_FORMAT!r} with seed, engine, level)")
+    return obj
+
+
+def _type_problem(value: Any, annotation: str) -> str | None:
+    """Why ``value`` (read from JSON) does not fit the dataclass ``annotation``; None if it does.
+    Integers are not booleans; numbers are finite; unknown annotation shapes are not checked."""
+    ann = annotation.replace(" ", "")
+    if ann.endswith("|None"):
+        return None if value is None else _type_problem(value, ann[:-5])
+    if ann == "int":
+        return None if isinstance(value, int) and not isinstance(value, bool) else f"expected an integer, got {value!r:.60}"
+    if ann == "float":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return None if ok else f"expected a finite number, got {value!r:.60}"
+    if ann == "str":
+        return None if isinstance(value, str) else f"expected a string, got {value!r:.60}"
+    if ann.startswith("list[") or ann == "list":
+        if not isinstance(value, list):
+            return f"expected a list, got {type(value).__name__} {value!r:.60}"
+        inner = ann[5:-1] if ann.startswith("list[") else ""
+        return next((f"item {i}: {p}" for i, v in enumerate(value) if inner and (p := _type_problem(v, inner))), None)
+    if ann.startswith("dict[") or ann == "dict":
+        if not isinstance(value, dict):
+            return f"expected an object, got {type(value).__name__} {value!r:.60}"
+        inner = ann[5:-1].split(",", 1)[1] if ann.startswith("dict[") else ""
+        return next((f"{k!r}: {p}" for k, v in value.items() if inner and (p := _type_problem(v, inner))), None)
+    if ann.startswith("tuple[int,int]"):
+        ok = isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        return None if ok else f"expected [i, n], got {value!r:.60}"
+    return None
+
+
+#: The fields of one finding entry a resumed campaign relies on, and their types.
+_ENTRY_FIELDS = {"signature": "list[str]", "count": "int", "first_trace": "int", "seed": "int", "options": "dict",
+                 "requests": "int | None"}
+
+
+def _check_state_types(path: Path, obj: dict, cls) -> None:
+    """Every field known and of its declared type; counters not negative; coverage made of rule ids."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name, value in obj.items():
+        if name not in fields:
+            raise StateError(path, name, "unknown field (not a campaign state of this version)")
+        problem = _type_problem(value, str(fields[name].type))
+        if problem:
+            raise StateError(path, name, problem)
+    for name, f in fields.items():
+        if name not in obj and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise StateError(path, name, "missing")
+    for name in ("next_round", "traces", "steps", "seconds", "errors", "outside_envelope"):
+        if isinstance(obj.get(name), (int, float)) and obj[name] < 0:
+            raise StateError(path, name, f"must be >= 0, got {obj[name]}")
+    i, n = obj.get("shard", (0, 1))
+    if not 0 <= i < n:
+        raise StateError(path, "shard", f"must be [i, n] with 0 <= i < n, got {[i, n]}")
+    known = {r.id for r in all_rules().values()}
+    bad = [r for r in obj.get("covered", []) if r not in known]
+    if bad:
+        raise StateError(path, "covered", f"unknown rule id {bad[0]!r}")
+    for slug_, entry in obj.get("findings", {}).items():
+        for key, ann in _ENTRY_FIELDS.items():
+            problem = "missing" if key not in entry else _type_problem(entry[key], ann)
+            if problem:
+                raise StateError(path, f"findings.{slug_}.{key}", problem)
+        if len(entry["signature"]) != 3 or entry["count"] < 0:
+            raise StateError(path, f"findings.{slug_}", "expected a signature of 3 strings and a count >= 0")
+
+
+def _check_state_matches(path: Path, state: "CampaignState", cfg: "CampaignConfig") -> None:
+    """A state continues only the campaign it was saved by: same seed, engine, level, shard, profile, knobs."""
+    for name, mine in (("seed", cfg.seed), ("engine", cfg.engine), ("level", cfg.level), ("shard", tuple(cfg.shard)),
+                       ("profile", cfg.profile), ("knobs", dict(cfg.knobs))):
+        theirs = getattr(state, name)
+        if name in ("profile", "knobs") and state.version < 1:
+            continue
+        if theirs != mine:
+            raise StateError(path, name, f"the state is for {name} {theirs!r}, this campaign has {mine!r}")
 
 
 @dataclass
@@ -432,10 +566,107 @@ class CampaignConfig:
     shrink_tries: int = 400
     resume: bool = False
     ray: str | None = None
-    stop_on_finding: bool = False  # end after the round that found the first finding
+    stop_on_finding: bool = False  # the same as max_findings=1
+    max_findings: int | None = None  # stop once this many findings (groups) are saved
     profile: str | None = None  # fix this profile's knobs in every trace (fuzz.generate.random_trace(profile=)); "all": rotate
     knobs: dict[str, Any] = field(default_factory=dict)  # fixed in every trace, over the profile's and steering's
     capabilities: Any = None  # --capabilities FILE (or an Envelope / dict): overrides the engine's declaration
+
+
+# batchspec.cli builds a CampaignConfig from its options and calls validate_options(cfg) before any
+# work; argparse checks each option's type, this checks the campaign as a whole (and API callers).
+MAX_SECONDS = 30 * 24 * 3600.0  # --seconds, --timeout: a month
+MAX_TRACES = 100_000_000
+
+
+def max_workers() -> int:
+    """Worker processes a campaign may start here: 8 per CPU, at least 64 (a typo must not fork-bomb)."""
+    return max(64, 8 * (os.cpu_count() or 1))
+
+
+def validate_options(cfg: CampaignConfig) -> CampaignConfig:
+    """Check every option of a campaign before any work; raise :class:`spec.io.OptionError`
+    (``OPTION: problem``, exit 2) on the first bad one.
+
+    Numbers are in range and finite; the profile exists; ``--set`` knobs give valid
+    configurations (the first traces of the campaign are drawn and validated by the
+    spec's own config validation); the engine exists and can be constructed on the
+    campaign's first trace; ``--resume`` finds a state of this very campaign.
+    """
+    from fuzz.replay import EngineConfigError, EngineUnavailable, make_engine
+    from spec.config import ConfigError, resolve
+    from spec.formats import LEVELS
+
+    def integer(option: str, value: Any, low: int, high: int | None = None) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+            bound = f"between {low} and {high}" if high is not None else f">= {low}"
+            raise OptionError(option, f"must be an integer {bound}, got {value!r}")
+
+    def seconds(option: str, value: Any) -> None:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or not 0 < value <= MAX_SECONDS:
+            raise OptionError(option, f"must be a finite number of seconds in (0, {MAX_SECONDS:g}], got {value!r}")
+
+    integer("--seed", cfg.seed, -(2**63), 2**63 - 1)
+    if cfg.level not in LEVELS:
+        raise OptionError("--level", f"must be one of {', '.join(LEVELS)}, got {cfg.level!r}")
+    if cfg.traces is not None:
+        integer("--traces", cfg.traces, 1, MAX_TRACES)
+    if cfg.seconds is not None:
+        seconds("--seconds", cfg.seconds)
+    seconds("--timeout", cfg.timeout)
+    integer("--workers", cfg.workers, 1, max_workers())
+    integer("--shrink-tries", cfg.shrink_tries, 0, 1_000_000)
+    if cfg.max_findings is not None:
+        integer("--max-findings", cfg.max_findings, 1, MAX_TRACES)
+    shard = tuple(cfg.shard)
+    if len(shard) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in shard) or not 0 <= shard[0] < shard[1]:
+        raise OptionError("--shard", f"must be I/N with 0 <= I < N, got {cfg.shard!r}")
+    if os.path.exists(cfg.corpus) and not os.path.isdir(cfg.corpus):
+        raise OptionError("--corpus", f"{cfg.corpus} is not a directory")
+    if cfg.profile is not None and cfg.profile != ALL_PROFILES and cfg.profile not in PROFILES:
+        raise OptionError("--profile", f"unknown profile {cfg.profile!r} (known: {ALL_PROFILES}, {', '.join(sorted(PROFILES))})")
+    try:
+        resolve({"profile": cfg.profile if cfg.profile in PROFILES else "vllm-v1", **cfg.knobs})
+    except ConfigError as e:
+        raise OptionError("--set", str(e)) from None
+    try:
+        envelope = campaign_envelope(cfg)
+    except (ValueError, EngineUnavailable) as e:  # fuzz.capabilities.CapabilityError, an unknown engine
+        raise OptionError("--engine", str(e)) from None
+    first = _first_traces(cfg, envelope)
+    try:
+        make_engine(cfg.engine, first)
+    except (EngineUnavailable, EngineConfigError) as e:
+        raise OptionError("--engine", str(e)) from None
+    if cfg.resume:
+        path = state_path(cfg)
+        if not path.exists():
+            raise OptionError("--resume", f"no campaign state {path} to resume (run without --resume first)")
+        CampaignState.load(path, cfg)
+    return cfg
+
+
+def _first_traces(cfg: CampaignConfig, envelope) -> Trace:
+    """Draw the first traces of the campaign (every profile it rotates through) and validate
+    their configurations; return the first one.  A ``--set`` that breaks a drawn configuration
+    is refused here, not counted as a harness failure on every trace of the campaign."""
+    from spec.config import resolve
+
+    rule_ids = sorted(r.id for r in all_rules().values() if r.fires)
+    i, n = cfg.shard
+    first = None
+    for k in range(2 * (len(PROFILES) + 2)):
+        options = trace_options(cfg, k, rule_ids, envelope)
+        option = "--set" if cfg.knobs else "--profile"
+        try:
+            trace = random_trace(trace_seed(cfg.seed, k * n + i), **{"max_steps": MAX_STEPS, **options})
+            resolve(trace.config)
+        except Exception as e:  # noqa: BLE001  (a ConfigError, or a generator tripping on a knob value)
+            raise OptionError(option, f"gives an invalid configuration for trace {k} "
+                                      f"(profile {options.get('profile', 'vllm-v1')}): {e}") from None
+        first = first or trace
+    return first
 
 
 def state_path(cfg: CampaignConfig) -> Path:
@@ -445,41 +676,252 @@ def state_path(cfg: CampaignConfig) -> Path:
     return Path(cfg.corpus) / f".campaign-{cfg.engine}-{cfg.level}{profile}{knobs}-seed{cfg.seed}-shard{i}of{n}.json"
 
 
+class CampaignInterrupted(KeyboardInterrupt):
+    """Ctrl-C: the state was saved; ``str()`` is the one line ``batchspec fuzz`` prints."""
+
+    def __init__(self, state: "CampaignState", path: Path):
+        found = len(state.findings)
+        super().__init__(f"interrupted: {state.traces} traces run, {found} finding{'s' * (found != 1)}, state saved to "
+                         f"{path}; continue with the same command plus --resume")
+        self.state, self.path = state, path
+
+
+def first_finding_text(state: "CampaignState") -> str:
+    """The summary's "first finding" cell: seconds and traces until the first finding was saved."""
+    f = state.first_finding
+    return "-" if not f else f"{f['seconds']:.1f} s, {f['traces']} traces"
+
+
+def finding_limit(cfg: CampaignConfig) -> int | None:
+    return cfg.max_findings if cfg.max_findings is not None else (1 if cfg.stop_on_finding else None)
+
+
 def run_campaign(cfg: CampaignConfig, on_round: Callable[[CampaignState, list[Outcome]], None] | None = None) -> CampaignState:
-    """Run rounds until the trace or time budget is spent; return the final state."""
-    Path(cfg.corpus).mkdir(parents=True, exist_ok=True)
+    """Run rounds until the trace, time or findings budget is spent; return the final state.
+
+    Raises :class:`StateError` when ``cfg.resume`` finds no usable state, and
+    :class:`CampaignInterrupted` on Ctrl-C (after saving the state)."""
     path = state_path(cfg)
-    state = CampaignState.load(path) if cfg.resume and path.exists() else CampaignState(cfg.seed, cfg.engine, cfg.level, cfg.shard)
+    if cfg.resume and not path.exists():
+        raise StateError(path, "file", "no campaign state to resume (run the campaign without --resume first)")
+    Path(cfg.corpus).mkdir(parents=True, exist_ok=True)
+    state = CampaignState.load(path, cfg) if cfg.resume else CampaignState(cfg.seed, cfg.engine, cfg.level, cfg.shard,
+                                                                          profile=cfg.profile, knobs=dict(cfg.knobs))
+    state.format, state.version = STATE_FORMAT, 1
     rule_ids = sorted(r.id for r in all_rules().values() if r.fires)
     envelope = campaign_envelope(cfg)
     state.envelope = envelope.describe()
+    if cfg.resume:
+        complete_reports(cfg, state, envelope)
     runner = _ray_runner(cfg.ray) if cfg.ray else None
     pool = None if runner else Pool(cfg.workers)
     start = time.monotonic() - state.seconds
+    interrupted = False
     try:
         while not _spent(cfg, state, start):
             tasks = _round_tasks(cfg, state, rule_ids, envelope)
-            outcomes = runner(tasks, cfg.timeout) if runner else pool.run(tasks, cfg.timeout)
-            _merge(cfg, state, outcomes)
+            live = _Round(cfg, state, start)
+            if runner:
+                outcomes = runner(tasks, cfg.timeout)
+                for o in outcomes:
+                    live.on_result(o)
+            else:
+                outcomes = pool.run(tasks, cfg.timeout, on_result=live.on_result, stop=live.limit_reached)
+            _merge(cfg, state, outcomes, live)
             state.next_round += 1
             state.seconds = time.monotonic() - start
             state.save(path)
             if on_round:
                 on_round(state, outcomes)
+    except KeyboardInterrupt:
+        interrupted = True
     finally:
         state.seconds = time.monotonic() - start
         state.save(path)
         if pool:
             pool.close()
+    if interrupted:
+        raise CampaignInterrupted(state, path)
     return state
 
 
 def _spent(cfg: CampaignConfig, state: CampaignState, start: float) -> bool:
-    if cfg.stop_on_finding and state.findings:
+    limit = finding_limit(cfg)
+    if limit is not None and len(state.findings) >= limit:
         return True
     if cfg.traces is not None and state.traces >= cfg.traces:
         return True
     return cfg.seconds is not None and time.monotonic() - start >= cfg.seconds
+
+
+class _Round:
+    """What the parent does while a round runs: save each new finding the moment it is shrunk
+    (its report exists seconds, not a round, after the divergence), note the time to the first
+    finding, and tell the pool when ``--max-findings`` is reached.  The round's merge
+    (:func:`_merge`) then folds the outcomes in trace order, as before."""
+
+    def __init__(self, cfg: CampaignConfig, state: CampaignState, start: float):
+        self.cfg, self.state, self.start = cfg, state, start
+        self.received = 0
+        self.new: set[str] = set()  # finding groups first seen in this round
+        self.saved: set[str] = set()  # ... and saved by this round already
+        self.problems: dict[str, str] = {}  # group -> why its report could not be written
+
+    def on_result(self, o: Outcome) -> None:
+        from fuzz.corpus import slug
+
+        self.received += 1
+        name = _new_group(o, self.state)
+        if name is None or name in self.state.findings:
+            return
+        self.new.add(name)
+        if o.shrunk is not None and not o.shrunk.agreed and name not in self.saved:
+            self.saved.add(name)
+            problem = save_finding_safely(self.cfg, o, hits=0)  # the merge counts the hit
+            if problem:
+                self.problems[name] = problem
+        if self.state.first_finding is None:
+            self.state.first_finding = {"seconds": round(time.monotonic() - self.start, 3),
+                                        "traces": self.state.traces + self.received, "trace": o.index, "finding": slug(o.signature)}
+
+    def limit_reached(self) -> bool:
+        limit = finding_limit(self.cfg)
+        return limit is not None and len(self.state.findings) + len(self.new) >= limit
+
+
+def _new_group(o: Outcome, state: CampaignState) -> str | None:
+    """The finding group an outcome may open: a shrunk divergence's, or a hang's or a crash's;
+    None for an agreement, a harness error, or a divergence counted into an earlier trace's group."""
+    from fuzz.corpus import slug
+
+    if o.signature is None:
+        return None
+    if o.shrunk is not None or o.raw_signature is None:
+        return slug(o.signature)
+    return None
+
+
+def provenance_of(cfg: CampaignConfig, o: Outcome) -> str:
+    small = o.shrunk.trace
+    return (f"Found by `batchspec fuzz --seed {cfg.seed}` (trace {o.index}, generator seed {o.seed}, "
+            f"options {o.options}); shrunk from {o.original_requests} to {len(small.requests)} requests.")
+
+
+INCOMPLETE = "<!-- batchspec: incomplete report -->"
+
+
+def save_finding_safely(cfg: CampaignConfig, o: Outcome, hits: int = 1) -> str | None:
+    """:func:`fuzz.corpus.save_finding`, but a report writer that raises (a bug in batchspec, or an
+    engine log it cannot render) does not end the campaign: whatever could be written is kept —
+    the trace, the engine's log, a short report saying what is missing — and the problem is
+    returned (``--resume`` writes the missing report later).  None when all was written."""
+    from fuzz.replay import raised_at
+
+    provenance = provenance_of(cfg, o)
+    try:
+        save_finding(cfg.corpus, o.shrunk, o.signature, provenance, engine=cfg.engine, hits=hits)
+        return None
+    except Exception as e:
+        problem = raised_at(e)
+    _save_what_can_be(cfg, o, provenance, problem)
+    return problem
+
+
+def _save_what_can_be(cfg: CampaignConfig, o: Outcome, provenance: str, problem: str) -> None:
+    """After a crash of the report writer: each missing file of the finding, each on its own."""
+    from fuzz.corpus import log_path, record_hits, size, slug
+    from spec.formats import DecisionLog
+    from spec.io import atomic_write_lines, write_log
+
+    corpus, name, result = Path(cfg.corpus), slug(o.signature), o.shrunk
+    trace = dataclasses.replace(result.trace, name=name, description=f"{' / '.join(o.signature)} against engine "
+                                f"{result.engine} at the {result.level} level. {provenance}")
+    trace_path = corpus / f"{name}.jsonl"
+    steps = [
+        (lambda: trace_path.exists(), lambda: atomic_write_lines(trace_path, [trace.header_json(), *(r.to_json() for r in trace.requests)])),
+        (lambda: log_path(corpus, result.engine, name).exists(),
+         lambda: write_log(DecisionLog(result.engine, result.level, result.engine_records, trace=f"../{trace_path.name}",
+                                       config=trace.config), log_path(corpus, result.engine, name))),
+        (lambda: False, lambda: _write_text(corpus / f"{name}.md", _fallback_report(cfg, name, result, problem))),
+        (lambda: False, lambda: record_hits(corpus, name, o.signature, 0, example_size=list(size(trace)))),
+    ]
+    for done, write in steps:
+        try:
+            if not done():
+                write()
+        except Exception:  # noqa: BLE001  (each piece is kept or not on its own)
+            pass
+
+
+def _fallback_report(cfg: CampaignConfig, name: str, result: ReplayResult, problem: str) -> str:
+    try:
+        divergence = result.divergence.describe()
+    except Exception as e:  # noqa: BLE001
+        divergence = f"(cannot be described: {type(e).__name__}: {e})"
+    return (f"{INCOMPLETE}\n# Finding `{name}` (report incomplete)\n\n"
+            f"The triage report could not be written: `{problem}`.\n"
+            f"The trace and the engine's log are saved; `batchspec fuzz ... --resume` with the same options writes "
+            f"the full report once the cause is fixed.\n\n"
+            f"```bash\nbatchspec replay {Path(cfg.corpus) / (name + '.jsonl')} --engine {cfg.engine} --level {result.level}\n```\n\n"
+            f"## The divergence\n\n```text\n{divergence}\n```\n")
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def report_problem(corpus: str | os.PathLike, name: str) -> str | None:
+    """Why finding ``name``'s saved report is incomplete, or None when it is whole."""
+    report = Path(corpus) / f"{name}.md"
+    if not (Path(corpus) / f"{name}.jsonl").exists():
+        return "the trace file is missing"
+    if not report.exists():
+        return "the report is missing"
+    with open(report, encoding="utf-8", errors="replace") as f:
+        return "the report is incomplete" if f.readline().startswith(INCOMPLETE) else None
+
+
+def complete_reports(cfg: CampaignConfig, state: CampaignState, envelope=None) -> int:
+    """On ``--resume``: write the reports that could not be written before (the saved trace is
+    replayed again; a missing trace is re-made from its generator seed and shrunk).  Returns
+    how many were completed; a report that still cannot be written stays marked."""
+    from fuzz.corpus import log_path, triage_report
+    from fuzz.replay import raised_at
+    from spec.formats import DecisionLog
+    from spec.io import load_trace, write_log
+
+    done = 0
+    for name, entry in state.findings.items():
+        if entry.get("requests") is None or report_problem(cfg.corpus, name) is None:
+            continue
+        trace_path = Path(cfg.corpus) / f"{name}.jsonl"
+        try:
+            if not trace_path.exists():
+                o = run_task(Task(entry["first_trace"], entry["seed"], entry["options"], cfg.engine, cfg.level,
+                                  cfg.shrink_tries, envelope))
+                if o.shrunk is None or o.shrunk.agreed:
+                    entry["report"] = "incomplete: the trace no longer diverges"
+                    continue
+                problem = save_finding_safely(cfg, o, hits=0)
+            else:
+                trace = load_trace(trace_path)
+                result = replay(trace, cfg.engine, cfg.level, after=REPORT_CONTEXT)
+                if result.agreed:
+                    entry["report"] = "incomplete: the saved trace no longer diverges (fixed?)"
+                    continue
+                write_log(DecisionLog(result.engine, result.level, result.engine_records, trace=f"../{trace_path.name}",
+                                      config=trace.config), log_path(cfg.corpus, result.engine, name))
+                _write_text(trace_path.with_suffix(".md"), triage_report(result, tuple(entry["signature"]), name,
+                                                                          trace.description or "", engine=cfg.engine,
+                                                                          trace_path=str(trace_path)))
+                problem = None
+        except Exception as e:  # noqa: BLE001  (the campaign goes on; the report stays marked)
+            problem = raised_at(e)
+        entry["report"] = f"incomplete: {problem}" if problem else "ok"
+        done += problem is None
+    return done
 
 
 def campaign_envelope(cfg: CampaignConfig):
@@ -536,15 +978,21 @@ def _round_tasks(cfg: CampaignConfig, state: CampaignState, all_rules: list[str]
     return tasks
 
 
-def _merge(cfg: CampaignConfig, state: CampaignState, outcomes: list[Outcome]) -> None:
+def _merge(cfg: CampaignConfig, state: CampaignState, outcomes: list[Outcome], live: _Round | None = None) -> None:
     """Fold a round's outcomes into the state, in trace order (deterministic).  Divergences
     are grouped by the signature of their *shrunk* trace (one finding per bug); a raw
     signature seen before joins its group unshrunk; the corpus keeps each group's smallest
-    example and its count (:func:`fuzz.corpus.save_finding`)."""
+    example and its count (:func:`fuzz.corpus.save_finding`).  With ``--max-findings N`` the
+    merge ends at the outcome that brings the N-th finding: what ran after it is not counted
+    (the same findings for any worker count), and a finding saved early from it is removed."""
     from fuzz.corpus import record_hits, size, slug
 
+    live = live or _Round(cfg, state, time.monotonic())
+    limit = finding_limit(cfg)
     covered = set(state.covered)
     for o in outcomes:  # in trace order: deterministic
+        if limit is not None and len(state.findings) >= limit:
+            break
         if o.outside is not None:
             state.outside_envelope += 1
             continue
@@ -572,11 +1020,21 @@ def _merge(cfg: CampaignConfig, state: CampaignState, outcomes: list[Outcome]) -
                 entry["requests"] = len(small.requests)
                 entry["size"] = list(size(small))
                 entry["original_requests"] = o.original_requests
-                provenance = (f"Found by `batchspec fuzz --seed {cfg.seed}` (trace {o.index}, generator seed {o.seed}, "
-                              f"options {o.options}); shrunk from {o.original_requests} to {len(small.requests)} requests.")
-                save_finding(cfg.corpus, o.shrunk, o.signature, provenance, engine=cfg.engine)
+                problem = save_finding_safely(cfg, o) or live.problems.get(name)
+                entry["report"] = f"incomplete: {problem}" if problem else "ok"
                 continue
         elif o.error:
             entry["error"] = o.error
         record_hits(cfg.corpus, name, tuple(entry["signature"]), 1)  # (save_finding counts the ones it saves)
     state.covered = sorted(covered)
+    for name in live.saved - set(state.findings):  # saved early from an outcome the limit cut off
+        _remove_finding(cfg, name)
+
+
+def _remove_finding(cfg: CampaignConfig, name: str) -> None:
+    from fuzz.corpus import group_path, log_path
+
+    for path in (Path(cfg.corpus) / f"{name}.jsonl", Path(cfg.corpus) / f"{name}.md", group_path(cfg.corpus, name),
+                 log_path(cfg.corpus, cfg.engine, name)):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
