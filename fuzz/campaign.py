@@ -956,7 +956,9 @@ def trace_options(cfg: CampaignConfig, k: int, uncovered: list[str], envelope) -
         return {**options, **cfg.knobs}
     options = {key: v for key, v in options.items() if key not in _KNOBS or envelope.allows(key, v)}
     fixed = set(cfg.knobs) | (set(profile_knobs(profile)) if profile else set())
-    drawn = envelope.options(k, cfg.seed, fixed=fixed)
+    # under --profile all, the family traces (k % 4 in {0, 1}) take consecutive rotation slots: coverage
+    slot = (k // 4) * 2 + k % 4 if cfg.profile == ALL_PROFILES and k % 4 < 2 else k
+    drawn = envelope.options(slot, cfg.seed, fixed=fixed)
     if profile:
         drawn["profile"] = profile
     return {**options, **drawn, **cfg.knobs}

@@ -41,6 +41,7 @@ generator's default draws), as before.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -96,11 +97,12 @@ class Range:
 Allowed = tuple | Range
 
 
-def _free_knobs(profile: str) -> set[str]:
+@functools.lru_cache(maxsize=None)
+def _free_knobs(profile: str) -> frozenset[str]:
     """Knobs a trace for ``profile`` draws freely (workload sizes the profile leaves at vllm-v1's)."""
     from fuzz.generate import profile_knobs
 
-    return set(_TYPES) - set(profile_knobs(profile))
+    return frozenset(_TYPES) - set(profile_knobs(profile))
 
 
 @dataclass(frozen=True)
@@ -166,11 +168,15 @@ class Envelope:
         return f"{_show(getattr(PROFILES[self.profile].config, knob))} only"
 
     def describe(self) -> str:
-        """One line: ``profile naive; policy fcfs|priority; long_prefill_token_threshold 0..64``."""
+        """One line: ``profile naive; policy fcfs|priority; long_prefill_token_threshold 0..64`` (every
+        other semantic knob at the profile's value; workload sizes drawn unless restricted)."""
         if self.everything:
             return "every profile and knob value"
         parts = [f"profile {self.profile}"]
+        free = _free_knobs(self.profile)
         for knob, allowed in self.knobs.items():
+            if knob in free and allowed == Range():
+                continue  # a workload size, drawn anyway
             parts.append(f"{knob} {allowed}" if isinstance(allowed, Range) else f"{knob} {'|'.join(map(_show, allowed))}")
         return "; ".join(parts)
 
@@ -211,9 +217,10 @@ class Envelope:
         fixed = set(fixed)
         out: dict[str, Any] = {"profile": self.profile}
         order: dict[str, list] = {}
+        free = _free_knobs(self.profile)
         for knob in sorted(self.knobs):
-            if knob in fixed:
-                continue
+            if knob in fixed or (knob in free and self.knobs[knob] == Range()):
+                continue  # fixed by the caller, or a workload size left to the generator's own draws
             values = list(self.samples(knob))
             n = len(values)
             block = values[:]  # a fresh permutation of the values for every n consecutive traces
@@ -230,8 +237,8 @@ def _consistent(profile: str, options: dict[str, Any], order: dict[str, list]) -
 
     for _ in range(8):
         try:
-            resolve({**profile_knobs(profile), **options, "max_num_batched_tokens": 1 << 20, "max_model_len": 64,
-                     "max_num_seqs": 1, "num_blocks": 64})
+            resolve({"max_num_batched_tokens": 1 << 20, "max_model_len": 64, "max_num_seqs": 1, "num_blocks": 64,
+                     **profile_knobs(profile), **options})
             return options
         except ConfigError as e:
             if e.field not in order or len(order[e.field]) < 2:
