@@ -1,4 +1,4 @@
-"""Per-step scheduling overhead: gpu_engine vs. the spec vs. vLLM's own scheduler.
+"""Per-step scheduling overhead: gpu_engine vs. the spec vs. vLLM's and nano-vllm's schedulers.
 
 Steady-state decode of R running requests (R = 16, 64, 256, 1024), block size
 16, prefix caching on (vLLM's default), prompts of 32..47 tokens so that
@@ -18,10 +18,16 @@ What is timed, per step:
 * ``vllm``: ``Scheduler.schedule()`` + ``update_from_output(out, ModelRunnerOutput)``
   of vLLM 0.32 (only when ``import vllm`` works: run this script with
   ``.venv-vllm/bin/python``), built by :mod:`fuzz.vllm_adapter`.
+* ``nano-vllm``: ``Scheduler.schedule()`` + ``Scheduler.postprocess(seqs, tokens)``
+  of a nano-vllm checkout (``--nano-vllm PATH`` or ``$NANO_VLLM``; needs ``xxhash``).
+  Only its ``engine`` modules are imported (its package ``__init__`` pulls in the
+  model runner), and its ``Config`` (which loads a model folder) is replaced by
+  the five numbers the scheduler reads.  Its block size is set to 16 like the
+  others (its default is 256).  Column skipped, with a note, when not given.
 
 Usage::
 
-    python benchmarks/bench_overhead.py [--sizes 16,64,256,1024] [--steps 40]
+    python benchmarks/bench_overhead.py [--sizes 16,64,256,1024] [--steps 40] [--nano-vllm PATH]
 """
 from __future__ import annotations
 
@@ -62,7 +68,8 @@ class GpuSide:
     def __init__(self, trace, level):
         self.engine = GpuEngine.from_trace(trace, level=level)
         be = self.engine.sched.be
-        self.engine._synthesize = lambda batch: be.asarray([TOKEN] * int(batch.samples.sum()))
+        self.engine._synthesize = lambda batch: be.asarray(
+            [TOKEN] * (len(batch.slots) if batch.all_sample else int(batch.samples.sum())))
         for r in trace.requests:
             self.engine.add_request(r)
 
@@ -121,6 +128,58 @@ class VllmSide:
         return all(r.num_tokens - r.num_computed_tokens == 1 for r in self.sched.running)
 
 
+def nano_vllm_modules(path: str) -> dict:
+    """nano-vllm's scheduler, block manager and sequence modules from a checkout at ``path``.
+
+    The ``nanovllm`` and ``nanovllm.engine`` packages are registered as empty
+    namespaces so that their ``__init__`` (which imports the model runner, CUDA
+    kernels and flash-attn) does not run; the engine modules are nano-vllm's own.
+    """
+    import importlib
+    import types
+
+    root = os.path.join(os.path.abspath(path), "nanovllm")
+    if not os.path.isfile(os.path.join(root, "engine", "scheduler.py")):
+        raise FileNotFoundError(f"{path}: no nanovllm/engine/scheduler.py")
+    for name, folder in (("nanovllm", root), ("nanovllm.engine", os.path.join(root, "engine"))):
+        if name not in sys.modules:
+            pkg = types.ModuleType(name)
+            pkg.__path__ = [folder]
+            sys.modules[name] = pkg
+    return {name: importlib.import_module(f"nanovllm.{name}")
+            for name in ("engine.sequence", "engine.scheduler", "sampling_params")}
+
+
+class NanoSide:
+    """nano-vllm's Scheduler + BlockManager driven as its LLMEngine.step does, minus the model."""
+
+    def __init__(self, trace, modules):
+        from types import SimpleNamespace
+
+        cfg = resolve(trace.config)
+        seq_mod = modules["engine.sequence"]
+        seq_mod.Sequence.block_size = cfg.block_size  # what LLMEngine sets from its config
+        config = SimpleNamespace(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                 eos=trace.eos_token_id, kvcache_block_size=cfg.block_size,
+                                 num_kvcache_blocks=cfg.num_blocks)
+        self.sched = modules["engine.scheduler"].Scheduler(config)
+        params = modules["sampling_params"].SamplingParams
+        for r in trace.requests:
+            sp = params(max_tokens=r.max_tokens, ignore_eos=r.ignore_eos)
+            self.sched.add(seq_mod.Sequence(r.prompt_token_ids(trace.vocab_size), sp))
+
+    def step(self):
+        seqs, is_prefill = self.sched.schedule()
+        self.sched.postprocess(seqs, [TOKEN] * len(seqs), is_prefill)
+        return seqs
+
+    def running(self):
+        return len(self.sched.running)
+
+    def decoding(self):
+        return all(s.num_tokens - s.num_cached_tokens == 1 for s in self.sched.running)
+
+
 def measure(sides: dict, steps: int, rounds: int = 4) -> dict[str, list[float]]:
     """Warm every engine into steady decode, then time ``steps`` steps of each, in
     ``rounds`` alternating blocks (so drift and other load hit all engines alike,
@@ -145,15 +204,11 @@ def measure(sides: dict, steps: int, rounds: int = 4) -> dict[str, list[float]]:
     return times
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="16,64,256,1024")
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--no-vllm", action="store_true")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(1)
+def overhead_table(sizes: list[int], steps: int = 40, vllm: bool = True, nano_vllm: str | None = None,
+                   out=print) -> dict[int, dict[str, float]]:
+    """Measure and print the overhead table; return ``{R: {engine: median ms}}``."""
     have_vllm, why = False, "not installed in this interpreter"
-    if not args.no_vllm:
+    if vllm:
         try:
             from fuzz.vllm_adapter import vllm_modules
 
@@ -161,39 +216,57 @@ def main(argv=None) -> None:
             have_vllm = True
         except Exception as e:  # noqa: BLE001 - any failure means "not available"
             why = f"unavailable ({type(e).__name__})"
-    print(f"# bench_overhead: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
-          f"python {platform.python_version()}, torch {torch.__version__}, vllm: {'yes' if have_vllm else why}")
-    exe = os.path.relpath(sys.executable) if not os.path.relpath(sys.executable).startswith("..") else "python"
-    print(f"# command: {' '.join([exe] + sys.argv)}")
-    print("# per-step time, median of interleaved steps (ms); ratios = other / gpu_engine(decisions)")
-    head = ["R", "gpu_engine", "gpu(exact)", "spec", "spec/gpu", "vllm", "vllm/gpu", "vllm/gpu(exact)"]
-    print("| " + " | ".join(head) + " |")
-    print("|" + "---|" * len(head))
-    for r in [int(x) for x in args.sizes.split(",")]:
-        trace = decode_trace(r, args.steps)
+    nano, nano_why = None, "not given (--nano-vllm PATH or $NANO_VLLM)"
+    if nano_vllm:
+        try:
+            nano = nano_vllm_modules(nano_vllm)
+        except Exception as e:  # noqa: BLE001 - a broken checkout or a missing xxhash: skip the column
+            nano_why = f"unavailable ({type(e).__name__}: {e})"
+    out(f"# vllm: {'yes' if have_vllm else why}; nano-vllm: {nano_vllm if nano else nano_why}")
+    out("# per-step time, median of interleaved steps (ms); ratios = other / gpu_engine(decisions)")
+    head = ["R", "gpu_engine", "gpu(exact)", "spec", "spec/gpu", "nano-vllm", "nano/gpu", "vllm", "vllm/gpu"]
+    out("| " + " | ".join(head) + " |")
+    out("|" + "---:|" * len(head))
+    table = {}
+    for r in sizes:
+        trace = decode_trace(r, steps)
         sides = {"gpu": GpuSide(trace, "decisions"), "gpu_exact": GpuSide(trace, "exact"), "spec": SpecSide(trace)}
+        if nano is not None:
+            sides["nano"] = NanoSide(trace, nano)
         if have_vllm:
             sides["vllm"] = VllmSide(trace)
         for side in sides.values():
             side.n = r
-        steps = max(16, args.steps * 64 // max(r, 64))
-        t = {k: statistics.median(v) * 1e3 for k, v in measure(sides, steps).items()}
-        g, ge = t["gpu"], t["gpu_exact"]
+        n = max(16, steps * 64 // max(r, 64))
+        t = table[r] = {k: statistics.median(v) * 1e3 for k, v in measure(sides, n).items()}
+        g = t["gpu"]
+        nv, nratio = (f"{t['nano']:.3f}", f"{t['nano'] / g:.2f}x") if nano is not None else ("n/a", "n/a")
         if have_vllm:
-            vl = f"{t['vllm']:.3f}"
-            ratio, ratio_e = f"{t['vllm'] / g:.1f}x", f"{t['vllm'] / ge:.1f}x"
+            vl, ratio = f"{t['vllm']:.3f}", f"{t['vllm'] / g:.1f}x"
         elif r == 256:
-            vl = f"({VLLM_QUOTED_MS_AT_256} quoted)"
-            ratio, ratio_e = f"{VLLM_QUOTED_MS_AT_256 / g:.1f}x", f"{VLLM_QUOTED_MS_AT_256 / ge:.1f}x"
+            vl, ratio = f"({VLLM_QUOTED_MS_AT_256} quoted)", f"{VLLM_QUOTED_MS_AT_256 / g:.1f}x"
         else:
-            vl = ratio = ratio_e = "n/a"
-        print(f"| {r} | {g:.3f} | {ge:.3f} | {t['spec']:.3f} | {t['spec'] / g:.1f}x | {vl} | {ratio} | {ratio_e} |",
-              flush=True)
-        if r == 256:
-            quoted_256 = g
-    if "quoted_256" in locals():
-        print(f"# against the issue's quoted vLLM figure ({VLLM_QUOTED_MS_AT_256} ms/step at 256 running): "
-              f"{VLLM_QUOTED_MS_AT_256 / quoted_256:.1f}x")
+            vl = ratio = "n/a"
+        out(f"| {r} | {g:.3f} | {t['gpu_exact']:.3f} | {t['spec']:.3f} | {t['spec'] / g:.1f}x | {nv} | {nratio} "
+            f"| {vl} | {ratio} |")
+    return table
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="16,64,256,1024")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--nano-vllm", default=os.environ.get("NANO_VLLM"), metavar="PATH",
+                    help="a nano-vllm checkout (default: $NANO_VLLM); its scheduler becomes a column")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    print(f"# bench_overhead: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
+          f"python {platform.python_version()}, torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}")
+    exe = os.path.relpath(sys.executable) if not os.path.relpath(sys.executable).startswith("..") else "python"
+    print(f"# command: {' '.join([exe] + sys.argv)}")
+    overhead_table([int(x) for x in args.sizes.split(",")], args.steps, not args.no_vllm, args.nano_vllm,
+                   out=lambda line: print(line, flush=True))
 
 
 if __name__ == "__main__":

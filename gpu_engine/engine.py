@@ -108,6 +108,7 @@ class GpuEngine:
             self.model.allocate_kv_cache(config.num_blocks, config.block_size)
         self._aborted: list[str] = []
         self._rejected: list[tuple[str, str]] = []
+        self._names_key = None  # (slots array, its request ids): see _names
         self.num_steps = 0
 
     @classmethod
@@ -138,9 +139,8 @@ class GpuEngine:
     def step(self) -> StepRecord:
         s = self.sched
         batch = s.schedule()
-        ids = s.ids[s.be.host(batch.slots)]  # read before finished slots are released
-        names = ids.tolist()
-        samplers = names if bool(batch.samples.all()) else ids[s.be.host(batch.samples)].tolist()
+        names = self._names(batch.slots)  # read before finished slots are released
+        samplers = names if batch.all_sample else s.ids[s.be.host(batch.slots[batch.samples])].tolist()
         tokens = self._execute(batch) if self.model is not None else self._synthesize(batch)
         finished = s.update(batch, tokens, self.eos_token_id)
         self.num_steps += 1
@@ -148,6 +148,16 @@ class GpuEngine:
         if s.estimate and not s.has_unfinished():  # idle: ESTIMATE.RATIO resets
             s.ratio = self.config.new_token_ratio_init
         return self._record(batch, names, samplers, tokens, finished)
+
+    def _names(self, slots) -> list[str]:
+        """Request ids of ``slots``; a steady batch (the running array itself, unchanged
+        since the last step) reuses the last list instead of gathering again."""
+        key = self._names_key
+        if key is not None and slots is key[0]:
+            return key[1]
+        names = self.sched.ids[self.sched.be.host(slots)].tolist()
+        self._names_key = (slots, names)
+        return names
 
     # -- execution -------------------------------------------------------------
 
@@ -188,16 +198,13 @@ class GpuEngine:
 
     def _record(self, batch: Batch, names: list[str], samplers: list[str], tokens, finished) -> StepRecord:
         s = self.sched
-        rec = StepRecord(step=self.num_steps - 1)
-        rec.scheduled = list(zip(names, xp.to_list(batch.num_scheduled)))
-        rec.new, rec.resumed, rec.preempted = batch.new, batch.resumed, batch.preempted
-        rec.swapped_out, rec.swapped_in = batch.swapped_out, batch.swapped_in
-        rec.finished = finished
-        rec.aborted, self._aborted = self._aborted, []
-        rec.rejected, self._rejected = self._rejected, []
-        rec.sampled = dict(zip(samplers, xp.to_list(tokens)))
+        rec = StepRecord(step=self.num_steps - 1, scheduled=list(zip(names, xp.to_list(batch.num_scheduled))),
+                         new=batch.new, resumed=batch.resumed, preempted=batch.preempted, finished=finished,
+                         aborted=self._aborted, rejected=self._rejected, sampled=dict(zip(samplers, xp.to_list(tokens))),
+                         swapped_out=batch.swapped_out, swapped_in=batch.swapped_in)
+        self._aborted, self._rejected = [], []
         if self.level != "decisions":
-            ids = s.ids[s.be.host(s.running)].tolist()
+            ids = self._names(s.running)
             held = xp.to_list(s.num_blocks[s.running])
             rec.num_free_blocks = s.pool.num_free
             rec.blocks = {r: k for r, k in zip(ids, held) if k}

@@ -3,7 +3,8 @@
 State (one row per request slot, capacity grows by doubling)
     ``prompt_len, num_tokens, num_output_tokens, num_computed_tokens, status, priority,
     arrival, arrival_step, max_tokens, ignore_eos, num_blocks, num_cached_blocks, queue_key,
-    tenant, swap_key, cpu_blocks``   int64 columns
+    tenant, swap_key, cpu_blocks, stop_at``   int64 columns (``stop_at``: the length at
+                                 which max_tokens or max_model_len stops the request)
     ``token_ids[slot, pos]``     prompt + output tokens
     ``block_table[slot, i]``     the request's blocks, ``num_blocks`` of them
     ``stop_ids[slot, j]``        stop token ids (-1 padded)
@@ -46,7 +47,7 @@ from spec.formats import FINISH_EOS, FINISH_MAX_MODEL_LEN, FINISH_MAX_TOKENS, FI
 
 from gpu_engine import formulas as F
 from gpu_engine import xp
-from gpu_engine.block_pool import BlockPool, hash_block, token_bytes
+from gpu_engine.block_pool import BlockPool, hash_block
 from gpu_engine.fairness import TenantCounters
 from gpu_engine.formulas import INF_KEY, cdiv
 from gpu_engine.xp import Array, Backend
@@ -56,7 +57,7 @@ REASONS = {F.STOP_EOS: FINISH_EOS, F.STOP_TOKEN: FINISH_STOP_TOKEN,
            F.STOP_MAX_MODEL_LEN: FINISH_MAX_MODEL_LEN, F.STOP_MAX_TOKENS: FINISH_MAX_TOKENS}
 COLUMNS = ("prompt_len", "num_tokens", "num_output_tokens", "num_computed_tokens", "status", "priority", "arrival",
            "arrival_step", "max_tokens", "ignore_eos", "num_blocks", "num_cached_blocks", "queue_key", "tenant",
-           "swap_key", "cpu_blocks")
+           "swap_key", "cpu_blocks", "stop_at")
 PRIORITY_SHIFT = 1 << 32  # priority / spf key = base * 2^32 + arrival (arrivals are unique)
 
 
@@ -68,6 +69,7 @@ class Batch:
     num_scheduled: Array
     start: Array  # num_computed_tokens before the step
     samples: Array  # bool: prefill complete after this step
+    all_sample: bool = False  # every scheduled request samples (samples.all())
     new: list[str] = field(default_factory=list)
     resumed: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
@@ -111,6 +113,11 @@ class Scheduler:
         self.swap = c.preemption_mode == "swap"
         self.cpu_free = c.num_cpu_blocks  # CPU swap pool: only a count (no block ids are logged)
         self.num_swapped = 0  # swapped slots: finite ``swap_key``, swap-in order ascending
+        # True when every running request decodes one token next step (the last step scheduled
+        # all of them, each sampled, nobody was preempted): phase 1 then takes :meth:`_decode_all`
+        self.steady = False
+        self._ones: dict[int, tuple] = {}  # length -> read-only (ones, all-True) arrays for steady batches
+        self._steady_batch = None  # (num_tokens, start, samples) of this step's :meth:`_decode_all`
 
     # ------------------------------------------------------------------ storage
 
@@ -197,7 +204,8 @@ class Scheduler:
                         ("status", WAITING), ("priority", req.priority), ("arrival", arrival),
                         ("arrival_step", self.clock), ("tenant", self.tc.tenant(req.tenant) if self.tc else 0),
                         ("max_tokens", req.max_tokens), ("ignore_eos", int(req.ignore_eos)),
-                        ("num_blocks", 0), ("num_cached_blocks", 0)):
+                        ("num_blocks", 0), ("num_cached_blocks", 0),
+                        ("stop_at", min(p + req.max_tokens, c.max_model_len))):
             getattr(self, name)[s] = v
         self.hashes[s] = self._chain([], prompt) if self.caching else []
         self._enqueue(s, front=False, arrival=True)
@@ -206,7 +214,7 @@ class Scheduler:
         """Extend a block-hash chain over the full blocks of ``tokens`` (prompt + outputs)."""
         bs = self.bs
         for i in range(len(chain), len(tokens) // bs):
-            chain.append(hash_block(chain[-1] if chain else None, token_bytes(tokens[i * bs:(i + 1) * bs])))
+            chain.append(hash_block(chain[-1] if chain else None, tokens[i * bs:(i + 1) * bs]))
         return chain
 
     def _enqueue(self, s: int, front: bool, arrival: bool = False) -> None:
@@ -261,10 +269,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------ memory helpers
 
-    def _table_entries(self, slots: Array, counts: Array, offset: Array, reverse: bool = False):
+    def _table_entries(self, slots: Array, counts: Array, offset: Array, reverse: bool = False,
+                       total: int | None = None):
         """(rows, cols) of ``counts[i]`` consecutive block-table entries of each slot
-        starting at ``offset[i]`` (or, reversed, ending just before ``offset[i]``)."""
-        if len(counts) and int(counts.min()) == 1 and int(counts.max()) == 1:  # common: one block each
+        starting at ``offset[i]`` (or, reversed, ending just before ``offset[i]``).
+        ``total`` (optional): ``sum(counts)``, known to the caller, with every count >= 1."""
+        if total is not None:
+            one_each = total == len(slots)
+        else:
+            one_each = len(counts) and int(counts.min()) == 1 and int(counts.max()) == 1
+        if one_each:  # common: one block each
             return slots, (offset - 1 if reverse else offset)
         rows = xp.repeat(slots, counts)
         within = self.be.arange(len(rows)) - xp.repeat(xp.exclusive_cumsum(counts), counts)
@@ -283,14 +297,18 @@ class Scheduler:
             for s in xp.to_list(slots):
                 self.host_tables[s] = []
 
-    def _allocate(self, slots: Array, need: Array) -> None:
-        """Pop ``need[i]`` new blocks for each slot, in order, onto its block table."""
-        some = xp.nonzero(need)
-        if len(some) == 0:
-            return
-        slots, need = slots[some], need[some]
-        blocks = self.pool.pop(int(need.sum()))
-        rows, cols = self._table_entries(slots, need, self.num_blocks[slots])
+    def _allocate(self, slots: Array, need: Array, total: int | None = None) -> None:
+        """Pop ``need[i]`` new blocks for each slot, in order, onto its block table
+        (``total``: ``sum(need)`` with every ``need[i] > 0``, when the caller knows it)."""
+        if total is None:
+            some = xp.nonzero(need)
+            if len(some) == 0:
+                return
+            if len(some) < len(need):
+                slots, need = slots[some], need[some]
+            total = xp.total(need)
+        blocks = self.pool.pop(total)
+        rows, cols = self._table_entries(slots, need, self.num_blocks[slots], total=total)
         self.block_table[rows, cols] = blocks
         self.num_blocks[slots] += need
         if self.host_tables is not None:
@@ -314,10 +332,12 @@ class Scheduler:
         if len(todo) == 0:
             return
         ts, lo, hi = slots[todo], cached[todo], full[todo]
-        rows, cols = self._table_entries(ts, hi - lo, lo)
+        count = hi - lo
+        total = xp.total(count)
+        rows, cols = self._table_entries(ts, count, lo, total=total)
         blocks = xp.to_list(self.block_table[rows, cols])
         chains = self.hashes
-        if len(rows) == len(ts):  # one new full block each (the steady state)
+        if total == len(ts):  # one new full block each (the steady state)
             hashes = [chains[s][a] for s, a in zip(xp.to_list(ts), xp.to_list(lo))]
         else:
             hashes = [h for s, a, b in zip(xp.to_list(ts), xp.to_list(lo), xp.to_list(hi)) for h in chains[s][a:b]]
@@ -394,12 +414,21 @@ class Scheduler:
                          or (batch.preempted and not c.admit_after_preempt) or self.num_swapped)
             if admit and self.num_waiting:
                 slots2, n2, budget = self._schedule_waiting(batch, budget, cap)
-        slots, n = self.be.cat([slots1, slots_in, slots2]), self.be.cat([n1, n_in, n2])
-        start = self.num_computed_tokens[slots]
-        done = start + n
-        self.num_computed_tokens[slots] = done
-        batch.slots, batch.num_scheduled, batch.start = slots, n, start
-        batch.samples = done >= self.num_tokens[slots]
+        fast, self._steady_batch = self._steady_batch, None
+        if fast is not None and not len(slots_in) and not len(slots2):  # the steady batch alone
+            ntok, start, samples = fast
+            slots, n = slots1, n1
+            self.num_computed_tokens[slots] = ntok
+            batch.all_sample = True
+        else:
+            slots, n = self.be.cat([slots1, slots_in, slots2]), self.be.cat([n1, n_in, n2])
+            start = self.num_computed_tokens[slots]
+            done = start + n
+            self.num_computed_tokens[slots] = done
+            samples = done >= self.num_tokens[slots]
+            batch.all_sample = xp.all_true(samples)
+        batch.slots, batch.num_scheduled, batch.start, batch.samples = slots, n, start, samples
+        self.steady = batch.all_sample and not batch.preempted and len(slots) == len(self.running)
         return batch
 
     def _next_ratio(self, retracted: bool) -> None:
@@ -410,9 +439,9 @@ class Scheduler:
         if not retracted:
             self.ratio = max(self.ratio - c.new_token_ratio_decay, c.new_token_ratio_min)
         elif len(self.running):
-            outputs = int(self.num_output_tokens[self.running].sum())
+            outputs = xp.total(self.num_output_tokens[self.running])
             self.ratio = min(1.0, (outputs + c.retract_decode_steps * len(self.running))
-                             / int(self.max_tokens[self.running].sum()))
+                             / xp.total(self.max_tokens[self.running]))
 
     def _estimate_ok(self, extend: Array, slots: Array, rem: float) -> tuple[np.ndarray, np.ndarray]:
         """ESTIMATE.ADMIT for a window: ``(ok, rem_before)``, host float64.
@@ -456,7 +485,7 @@ class Scheduler:
         self._cache_blocks(adm, xp.minimum(xp.minimum(comp, c.max_model_len) + n, ntok[:count]))
         self.status[adm] = RUNNING
         self.swap_key[adm] = INF_KEY
-        self.cpu_free += int(self.cpu_blocks[adm].sum())
+        self.cpu_free += xp.total(self.cpu_blocks[adm])
         self.cpu_blocks[adm] = 0
         self.num_swapped -= count
         self.running = self.be.cat([self.running, adm])
@@ -465,7 +494,7 @@ class Scheduler:
         batch.swapped_in += names
         if self.tc is not None:
             self._charge(adm, comp, n)
-        return adm, n, budget - int(n.sum())
+        return adm, n, budget - xp.total(n)
 
     def _running_phase(self, batch: Batch, budget: int, cap: int):
         """Phase 1 (:meth:`_schedule_running`), its given-back victims dropped, charged under VTC."""
@@ -515,6 +544,10 @@ class Scheduler:
         """Phase 1 in segments: each segment is the closed form up to the next failed
         allocation; a failure is one preemption event (the only Python loop)."""
         c = self.config
+        if self.steady and len(self.running) <= budget:
+            fast = self._decode_all(budget)
+            if fast is not None:
+                return fast
         run, i = self.running, 0
         seg_slots, seg_n, unscheduled = [], [], []
         while i < len(run) and budget > 0:
@@ -522,7 +555,7 @@ class Scheduler:
             comp = self.num_computed_tokens[seg]
             ntok = self.num_tokens[seg]
             n, reached = F.grant_tokens(F.token_demand(ntok, comp, cap, c.max_model_len), budget)
-            k = int(reached.sum())  # reached is a prefix
+            k = xp.total(reached)  # reached is a prefix
             need = F.block_demand(comp[:k], n[:k], self.num_blocks[seg[:k]], self.bs, c.max_model_len)
             f = F.first_overflow(need, self.pool.num_free)
             take = xp.nonzero(n[:f] > 0)
@@ -531,7 +564,7 @@ class Scheduler:
             self._cache_blocks(ts, xp.minimum(comp[take] + tn, ntok[take]))
             seg_slots.append(ts)
             seg_n.append(tn)
-            budget -= int(tn.sum())
+            budget -= xp.total(tn)
             if f == k:
                 break
             # -- preemption event at run[i + f] --
@@ -545,8 +578,8 @@ class Scheduler:
             if c.policy == "priority" or self.estimate:  # a victim scheduled earlier gives its tokens back
                 for ss, sn in zip(seg_slots, seg_n):
                     hit = xp.isin(ss, victims)
-                    if bool(hit.any()):
-                        budget += int(sn[hit].sum())
+                    if xp.any_true(hit):
+                        budget += xp.total(sn[hit])
                         unscheduled += xp.to_list(ss[hit])
             shift = int((vpos < p).sum())
             self._preempt(victims, batch)
@@ -566,6 +599,39 @@ class Scheduler:
             i += 1
         self.running = run
         return self.be.cat(seg_slots), self.be.cat(seg_n), budget, unscheduled
+
+    def _decode_all(self, budget: int):
+        """Phase 1 in the steady state: every running request decodes (``num_tokens =
+        computed + 1``, so its demand is 1: ``num_tokens <= L - 1`` while it runs) and the
+        budget covers them all.  The same rules as the general walk (:func:`formulas.block_demand`,
+        :meth:`_allocate`, :meth:`_cache_blocks`), minus its segment and preemption
+        bookkeeping; ``None`` when an allocation would fail (the general walk then finds
+        the preemption point, nothing having changed)."""
+        run = self.running
+        ones, all_true = self._steady_arrays(len(run))
+        ntok = self.num_tokens[run]
+        comp = ntok - ones
+        need = F.block_demand(comp, ones, self.num_blocks[run], self.bs, self.config.max_model_len)
+        grow = xp.nonzero(need)
+        if len(grow):
+            need = need[grow]
+            total = xp.total(need)
+            if total > self.pool.num_free:
+                return None
+            self._allocate(run[grow], need, total)
+        self._cache_blocks(run, ntok)
+        self._steady_batch = (ntok, comp, all_true)
+        return run, ones, budget - len(run), []
+
+    def _steady_arrays(self, n: int) -> tuple:
+        """Read-only ``ones(n)`` and ``all-True(n)`` arrays, made once per length."""
+        got = self._ones.get(n)
+        if got is None:
+            ones, true = self.be.asarray([1] * n), self.be.asarray([True] * n, dtype=xp.BOOL)
+            if self.be.numpy:
+                ones.flags.writeable = true.flags.writeable = False
+            got = self._ones[n] = (ones, true)
+        return got
 
     def _schedule_waiting(self, batch: Batch, budget: int, cap: int):
         """Phase 2 in rounds: a window of queue heads, their prefix hits looked up on
@@ -604,7 +670,7 @@ class Scheduler:
                 self._admit(batch, cand[:count], ntok[:count], n[:count], need[:count], hits, nhit[:count], evictable[:count])
                 out_slots.append(cand[:count])
                 out_n.append(n[:count])
-                budget -= int(n[:count].sum())
+                budget -= xp.total(n[:count])
             if count < len(cand) or count == 0:
                 break
         return self.be.cat(out_slots), self.be.cat(out_n), budget
@@ -682,7 +748,7 @@ class Scheduler:
                hits: Array, nhit: Array, evictable: Array) -> None:
         """Commit the admitted prefix: touch hits, pop new blocks, register, run."""
         if len(hits):
-            own = hits[: int(nhit.sum())]
+            own = hits[: xp.total(nhit)]
             self.pool.touch(own)
             rows, cols = self._table_entries(adm, nhit, nhit * 0)
             self.block_table[rows, cols] = own
@@ -712,21 +778,21 @@ class Scheduler:
     def update(self, batch: Batch, tokens: Array, eos_token_id: int) -> list[tuple[str, str]]:
         """Append each sampled token (``tokens`` aligned with the sampling requests in
         batch order), apply the stop rules, free finished requests in batch order."""
-        smp = batch.slots[batch.samples]
+        smp = batch.slots if batch.all_sample else batch.slots[batch.samples]
         if len(smp) == 0:
             return []
         c = self.config
         pos = self.num_tokens[smp]
         self.token_ids[smp, pos] = tokens
         ntok = pos + 1
-        nout = self.num_output_tokens[smp] + 1
         self.num_tokens[smp] = ntok
-        self.num_output_tokens[smp] = nout
-        # cheap screen first: most steps stop nobody
-        maybe = (nout >= self.max_tokens[smp]) | (ntok >= c.max_model_len) | (tokens == eos_token_id)
+        self.num_output_tokens[smp] += 1
+        # cheap screen first: most steps stop nobody (stop_at: the max_tokens / max_model_len length)
+        maybe = (ntok >= self.stop_at[smp]) | (tokens == eos_token_id)
         if self.num_with_stop_ids:
             maybe |= (self.stop_ids[smp] == tokens[:, None]).any(1)
-        if bool(maybe.any()):
+        if xp.any_true(maybe):
+            nout = self.num_output_tokens[smp]
             stop_hit = (self.stop_ids[smp] == tokens[:, None]).any(1)
             code = F.stop_codes(tokens, self.ignore_eos[smp] == 0, stop_hit, ntok, nout,
                                 self.max_tokens[smp], eos_token_id, c.max_model_len)
@@ -740,7 +806,7 @@ class Scheduler:
             grow = xp.nonzero(full)
             if len(grow):
                 self._extend_chains(smp[grow], ntok[grow])
-        if fin_mask is None or not bool(fin_mask.any()):
+        if fin_mask is None or not xp.any_true(fin_mask):
             return []
         fin = smp[fin_mask]
         reasons = xp.to_list(code[fin_mask])
@@ -755,17 +821,20 @@ class Scheduler:
     def _extend_chains(self, slots: Array, ntok: Array) -> None:
         """Hash each newly full block: the last output token completed it, so it is
         block ``ntok // bs - 1`` (one gather of those blocks' tokens for all requests)."""
-        bs = self.bs
-        cols = (ntok - bs)[:, None] + self.be.arange(bs)[None, :]
-        raw = self.be.host(self.token_ids[slots[:, None], cols]).tobytes()
-        width = 8 * bs
-        for j, (s, t) in enumerate(zip(xp.to_list(slots), xp.to_list(ntok))):
+        bs, tok = self.bs, self.token_ids
+        slots, ntok = xp.to_list(slots), xp.to_list(ntok)
+        if self.be.numpy:  # row slices of the CPU array: no gather
+            raws = [tok[s, t - bs:t].tolist() for s, t in zip(slots, ntok)]
+        else:  # one gather and one device-to-host copy for all
+            cols = self.be.asarray(ntok)[:, None] - bs + self.be.arange(bs)[None, :]
+            raws = self.be.host(tok[self.be.asarray(slots)[:, None], cols]).tolist()
+        for s, t, block in zip(slots, ntok, raws):
             chain = self.hashes[s]
             if len(chain) != t // bs - 1:  # cannot happen; recompute the chain to be safe
                 row = self.be.host(self.token_ids[s, :t])
                 self.hashes[s] = self._chain(chain, row.tolist())
                 continue
-            chain.append(hash_block(chain[-1] if chain else None, raw[j * width:(j + 1) * width]))
+            chain.append(hash_block(chain[-1] if chain else None, block))
 
     # ------------------------------------------------------------------ views for records
 
