@@ -414,7 +414,7 @@ def cmd_conform(args) -> int:
         raise OptionError("--save-divergent", f"{args.save_divergent} is not a directory")
 
     return conform_command(args.engine, args.traces, args.seed, args.level, args.workers, args.json, args.markdown,
-                           args.save_divergent, progress=not args.no_progress)
+                           args.save_divergent, progress=not args.no_progress, capabilities=args.capabilities)
 
 
 def cmd_profiles(args) -> int:
@@ -530,6 +530,8 @@ def build_parser() -> argparse.ArgumentParser:
     cf.add_argument("--markdown", action="store_true", help="print the summary as a Markdown table")
     cf.add_argument("--save-divergent", metavar="DIR", help="save each divergent trace here")
     cf.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cf.add_argument("--capabilities", metavar="FILE", help="the knob values the engine implements (JSON, "
+                    "fuzz/capabilities.py), instead of what it declares itself")
     cf.set_defaults(fn=cmd_conform)
 
     fz = command("fuzz", "differential fuzz campaign: random traces through the spec and an engine")

@@ -8,6 +8,12 @@ divergences found.  Trace ``i`` depends on its own seed only, so a divergent
 trace is re-made with ``random_trace(seed)`` anywhere, or saved with
 ``--save-divergent DIR`` and replayed with ``batchspec replay``.
 
+Only traces inside the engine's capability envelope (:mod:`fuzz.capabilities`: what
+it declares, or ``--capabilities FILE``) are run: a seed whose trace falls outside is
+redrawn inside it (:func:`trace_for`), so an engine is never held to a knob value it
+does not claim, and an engine that implements the ``vllm-v1`` family (vLLM) gets
+exactly the traces ``random_trace(seed)`` makes.
+
 With vLLM each worker process pays about 6 s to import it; on a 2-core
 machine two workers roughly halve a 2,000-trace run.  Workers are spawned
 (not forked) so that no torch state is shared.
@@ -54,6 +60,7 @@ class ConformanceReport:
     outcomes: list[TraceOutcome] = field(default_factory=list)
     seconds: float = 0.0
     workers: int = 1
+    envelope: str = ""  # the engine's capability envelope the traces were drawn in
 
     @property
     def n_traces(self) -> int:
@@ -89,16 +96,26 @@ class ConformanceReport:
         return {
             "command": self.command(), "engine": self.engine, "level": self.level, "seed": self.seed,
             "traces": self.n_traces, "agreed": self.n_agreed, "seconds": round(self.seconds, 1), "workers": self.workers,
+            "envelope": self.envelope,
             "areas": {k: {"traces": v.traces, "agreed": v.agreed} for k, v in self.areas().items()},
             "divergences": [{"seed": o.seed, **(o.divergence or {})} for o in self.divergent],
         }
 
 
-def check_one(seed: int, engine: str, level: str) -> TraceOutcome:
-    """Replay ``random_trace(seed)`` through ``engine`` and the spec."""
+def trace_for(seed: int, envelope=None):
+    """The trace of ``seed`` for an engine with ``envelope``: ``random_trace(seed)`` when it lies
+    inside, else the seed's trace drawn inside it (the envelope's knob values for slot ``seed``)."""
+    trace = random_trace(seed)
+    if envelope is None or envelope.everything or envelope.admits(trace.config):
+        return trace
+    return random_trace(seed, **envelope.options(seed, seed=0))
+
+
+def check_one(seed: int, engine: str, level: str, envelope=None) -> TraceOutcome:
+    """Replay the trace of ``seed`` (:func:`trace_for`) through ``engine`` and the spec."""
     from fuzz.replay import replay
 
-    trace = random_trace(seed)
+    trace = trace_for(seed, envelope)
     result = replay(trace, engine, level)
     d = result.divergence
     return TraceOutcome(
@@ -108,21 +125,26 @@ def check_one(seed: int, engine: str, level: str) -> TraceOutcome:
     )
 
 
-def _check_chunk(args: tuple[list[int], str, str]) -> list[TraceOutcome]:
-    seeds, engine, level = args
-    return [check_one(s, engine, level) for s in seeds]
+def _check_chunk(args: tuple[list[int], str, str, Any]) -> list[TraceOutcome]:
+    seeds, engine, level, envelope = args
+    return [_check(s, engine, level, envelope) for s in seeds]
 
 
-def _outcomes(seeds: list[int], engine: str, level: str, workers: int) -> Iterator[TraceOutcome]:
+def _check(seed: int, engine: str, level: str, envelope) -> TraceOutcome:
+    """:func:`check_one`, with the envelope only when it restricts anything."""
+    return check_one(seed, engine, level) if envelope is None or envelope.everything else check_one(seed, engine, level, envelope)
+
+
+def _outcomes(seeds: list[int], engine: str, level: str, workers: int, envelope=None) -> Iterator[TraceOutcome]:
     """Outcomes in seed order, from this process or from ``workers`` spawned ones."""
     if workers <= 1:
         for s in seeds:
-            yield check_one(s, engine, level)
+            yield _check(s, engine, level, envelope)
         return
     import multiprocessing
 
     chunk = 25
-    jobs = [(seeds[i:i + chunk], engine, level) for i in range(0, len(seeds), chunk)]
+    jobs = [(seeds[i:i + chunk], engine, level, envelope) for i in range(0, len(seeds), chunk)]
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
         for batch in pool.imap(_check_chunk, jobs):
             yield from batch
@@ -139,18 +161,21 @@ def default_workers(n_traces: int, engine: str) -> int:
 
 
 def run_conformance(n_traces: int, seed: int = 0, level: str = "exact", engine: str = "vllm",
-                    progress: bool = True, workers: int | None = None) -> ConformanceReport:
-    """Replay ``n_traces`` random traces from ``seed`` on; collect a :class:`ConformanceReport`."""
+                    progress: bool = True, workers: int | None = None, capabilities=None) -> ConformanceReport:
+    """Replay ``n_traces`` random traces from ``seed`` on, inside the engine's envelope
+    (``capabilities`` overrides its declaration); collect a :class:`ConformanceReport`."""
+    from fuzz.capabilities import for_engine
     from fuzz.replay import make_engine
 
     if n_traces < 1:
         raise ValueError("n_traces must be >= 1")
-    make_engine(engine, random_trace(seed))  # fail fast here, not in a worker, if the engine is missing
+    envelope = for_engine(engine, capabilities)
+    make_engine(engine, trace_for(seed, envelope))  # fail fast here, not in a worker, if the engine is missing
     workers = default_workers(n_traces, engine) if workers is None else workers
-    report = ConformanceReport(engine, level, seed, workers=workers)
+    report = ConformanceReport(engine, level, seed, workers=workers, envelope=envelope.describe())
     seeds = list(range(seed, seed + n_traces))
     t0 = time.perf_counter()
-    stream = _outcomes(seeds, engine, level, workers)
+    stream = _outcomes(seeds, engine, level, workers, envelope)
     if progress:
         stream = _with_progress(stream, n_traces, engine, report)
     for outcome in stream:
@@ -178,6 +203,8 @@ def render_table(report: ConformanceReport):
 
     table = Table(title=f"spec vs {report.engine} at the {report.level} level — {report.n_traces} traces, "
                         f"seeds {report.seed}..{report.seed + report.n_traces - 1}, {report.seconds:.0f} s")
+    if report.envelope:
+        table.caption = f"engine {report.engine} implements: {report.envelope}"
     table.add_column("feature area")
     table.add_column("traces", justify="right")
     table.add_column("agree", justify="right")
@@ -203,13 +230,14 @@ def render_markdown(report: ConformanceReport) -> str:
 
 def conform_command(engine: str = "vllm", traces: int = 2000, seed: int = 0, level: str = "exact",
                     workers: int | None = None, json_path: str | None = None, markdown: bool = False,
-                    save_divergent: str | None = None, progress: bool = True) -> int:
+                    save_divergent: str | None = None, progress: bool = True, capabilities: str | None = None) -> int:
     """``batchspec conform``: exit 0 when every trace agrees, 1 on any divergence, 2 bad input."""
     import json
     from pathlib import Path
 
     from rich.console import Console
 
+    from fuzz.capabilities import CapabilityError, for_engine
     from fuzz.replay import EngineUnavailable
     from spec.formats import LEVELS
     from spec.io import write_trace
@@ -219,8 +247,9 @@ def conform_command(engine: str = "vllm", traces: int = 2000, seed: int = 0, lev
         err.print(f"[red]error:[/] need --traces >= 1 and --level in {', '.join(LEVELS)}")
         return 2
     try:
-        report = run_conformance(traces, seed, level, engine, progress=progress, workers=workers)
-    except EngineUnavailable as e:
+        envelope = for_engine(engine, capabilities)
+        report = run_conformance(traces, seed, level, engine, progress=progress, workers=workers, capabilities=envelope)
+    except (EngineUnavailable, CapabilityError) as e:
         err.print(f"[red]error:[/] {e}", highlight=False)
         return 2
     out.print(render_markdown(report) if markdown else render_table(report))
@@ -231,7 +260,7 @@ def conform_command(engine: str = "vllm", traces: int = 2000, seed: int = 0, lev
     if save_divergent and report.divergent:
         folder = Path(save_divergent)
         for o in report.divergent:
-            write_trace(random_trace(o.seed), folder / f"seed-{o.seed}.jsonl")
+            write_trace(trace_for(o.seed, envelope), folder / f"seed-{o.seed}.jsonl")
         out.print(f"divergent traces written to {folder}/seed-N.jsonl (replay: batchspec replay FILE --engine {engine})")
     if json_path:
         Path(json_path).write_text(json.dumps(report.to_json(), indent=1) + "\n")

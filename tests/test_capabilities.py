@@ -246,3 +246,27 @@ def test_fuzz_cli_refuses_a_profile_outside_the_envelope_in_one_line(tmp_path):
     assert done.returncode == 2, done.stdout + done.stderr
     assert "--profile tgi is outside engine" in done.stderr and "profiles inside: naive" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+# -- conform ------------------------------------------------------------------------------
+
+
+def test_conform_draws_inside_the_envelope_and_keeps_vllms_seeds():
+    from fuzz.conform import trace_for
+
+    toy = caps.for_engine("examples.toy_engine:ToyEngine")
+    for seed in range(40):
+        assert toy.admits(trace_for(seed, toy).config)
+        vllm = caps.for_engine("vllm")
+        plain = random_trace(seed)
+        if vllm.admits(plain.config):  # the vllm-v1 family: docs/conformance.md's seeds make the same traces
+            assert trace_for(seed, vllm).config == plain.config
+
+
+def test_conform_runs_a_declaring_engine_inside_its_envelope(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "batchspec.cli", "conform", "--engine", "examples.toy_engine:ToyEngine",
+                           "--traces", "12", "--no-progress", "--json", str(tmp_path / "r.json")],
+                          cwd=REPO, capture_output=True, text=True, env={**__import__("os").environ, "TOY_BUG": ""})
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["agreed"] == 12 and report["envelope"].startswith("profile naive; policy fcfs|priority")
