@@ -146,13 +146,32 @@ def _load(args, rate_default: float | None = None):
     from spec.io import check_input_file
 
     check_input_file(args.trace)  # a directory or a FIFO is refused before a reader opens it
-    fmt = detect(args.trace) if args.format == "auto" else args.format
+    fmt = _detect(args.trace, detect) if args.format == "auto" else args.format
     trace, report = load_any(args.trace, fmt, _import_options(args, rate_default if fmt == "lengths" else None))
     if report is not None:
         dropped = sum(report.dropped.values())
         console.print(f"[dim]{Path(args.trace).name}: {report.format}, {report.requests:,} requests"
                       + (f" ({dropped:,} rows dropped)" if dropped else "") + f", {report.rate:.3g}/s over {report.span_s:,.0f} s[/]")
     return with_arrival_times(trace), fmt
+
+
+def _detect(path: str, detect) -> str:
+    """``batchspec`` when the first line is a JSON object with a ``format`` tag (parsed strictly:
+    deep nesting, NaN or duplicate keys are refused here), else the importers' detection."""
+    from spec.formats import LIMITS
+    from spec.io import FormatError, open_input, parse_json
+
+    with open_input(path, "trace_bytes", limit_bytes=2**63) as f:
+        first = f.readline(LIMITS["line_bytes"] + 1)
+    if not first.strip():
+        raise FormatError(path, 1, "(file)", "empty file: expected a header line or a CSV header")
+    if b"\0" in first:
+        raise FormatError(path, 1, "(line)", "binary data (NUL bytes), not a trace")
+    if first.lstrip().startswith(b"{"):
+        obj = parse_json(first, path, 1, truncated=not first.endswith(b"\n"))
+        if isinstance(obj, dict) and "format" in obj:
+            return "batchspec"
+    return detect(path)
 
 
 def _slos(slos: dict[str, float]) -> dict[str, float]:

@@ -101,9 +101,25 @@ def _json_items(path: str):
         raise FormatError(path, 1, "rows", "expected a list of rows (or {\"rows\": [...]})")
     if len(obj) > MAX_ROWS:
         raise FormatError(path, 0, "(file)", f"{len(obj):,} rows exceeds the limit MAX_ROWS={MAX_ROWS:,}")
-    # JSON rows are usually one per line: row i's line is found by counting row openings
-    starts = [n for n, line in enumerate(text.splitlines(), start=1) if line.lstrip().startswith("{") and "prefill" in line]
-    return [(starts[i] if len(starts) == len(obj) else 1, row) for i, row in enumerate(obj)]
+    starts = _row_lines(text, len(obj))
+    return list(zip(starts, obj))
+
+
+def _row_lines(text: str, count: int) -> list[int]:
+    """The line on which each row of the (already validated) JSON list starts, for messages."""
+    import re
+
+    decoder = json.JSONDecoder()
+    m = re.search(r'"rows"\s*:\s*\[', text) if text.lstrip().startswith("{") else re.search(r"\[", text)
+    pos, out = (m.end() if m else len(text)), []
+    try:
+        while len(out) < count:
+            pos = len(text) - len(text[pos:].lstrip(" \t\r\n,"))
+            out.append(text.count("\n", 0, pos) + 1)
+            _, pos = decoder.raw_decode(text, pos)
+    except ValueError:
+        pass
+    return out + [1] * (count - len(out))
 
 
 def _csv_items(path: str):

@@ -393,7 +393,7 @@ def replay_command(trace_path: str, engine: str = "vllm", level: str = "exact",
     from spec.formats import DecisionLog
     from spec.io import FormatError, load_log, load_trace, write_log
 
-    out, err = Console(), Console(stderr=True)
+    out, err = Console(), Console(stderr=True, soft_wrap=True)  # an error stays one line
     try:
         trace = load_trace(trace_path)
         after = None if (log_path or spec_log_path) else 0  # a log asked for is written whole

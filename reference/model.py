@@ -351,13 +351,75 @@ def save_pretrained(model: TinyLlama, folder: str | Path) -> Path:
     return folder
 
 
+#: Limits on a model folder: the reference engine computes in float64 on a CPU, so its
+#: checkpoints are small; a larger size is refused before any tensor is allocated.
+MAX_WEIGHTS_BYTES = 8 * 1024**3
+MAX_CONFIG = {"vocab_size": 262_144, "hidden_size": 16_384, "intermediate_size": 65_536, "num_hidden_layers": 256,
+              "num_attention_heads": 256, "num_key_value_heads": 256, "head_dim": 1024,
+              "max_position_embeddings": 1_048_576}
+#: Parameters a model folder may describe (float64 on a CPU: 800 MB of weights).
+MAX_PARAMETERS = 100_000_000
+
+
+def _check_config_json(obj, path: str, text: str) -> TinyLlamaConfig:
+    """``config.json`` field by field (types and ``MAX_CONFIG``), then :meth:`TinyLlamaConfig.from_json`."""
+    from spec.io import FormatError, line_of
+
+    if not isinstance(obj, dict):
+        raise FormatError(path, 1, "(file)", f"expected a JSON object (an HF config), got {type(obj).__name__}")
+    for name, limit in MAX_CONFIG.items():
+        if name in obj:
+            value = obj[name]
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise FormatError(path, line_of(text, name), name, f"expected an integer, got {value!r}")
+            if not 1 <= value <= limit:
+                raise FormatError(path, line_of(text, name), name, f"{value} is outside [1, {limit}] (MAX_CONFIG)")
+    for name in ("rms_norm_eps", "rope_theta"):
+        value = obj.get(name, 1.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e12:
+            raise FormatError(path, line_of(text, name), name, f"expected a finite number > 0, got {value!r}")
+    if not isinstance(obj.get("tie_word_embeddings", False), bool):
+        raise FormatError(path, line_of(text, "tie_word_embeddings"), "tie_word_embeddings", "expected true or false")
+    try:
+        config = TinyLlamaConfig.from_json(obj)
+    except (ValueError, TypeError, AttributeError) as e:
+        raise FormatError(path, 1, "(config)", str(e)) from None
+    count = sum(math.prod(shape) for shape in param_shapes(config).values())
+    if count > MAX_PARAMETERS:
+        raise FormatError(path, 1, "(config)", f"{count:,} parameters exceed the limit MAX_PARAMETERS={MAX_PARAMETERS:,}")
+    return config
+
+
 def load_pretrained(folder: str | Path) -> TinyLlama:
-    """Load a local HF-style folder (``config.json`` + ``model.safetensors``); no hub access ever."""
+    """Load a local HF-style folder (``config.json`` + ``model.safetensors``); no hub access ever.
+
+    Every problem is a ``spec.io.FormatError`` naming the file: a folder that is not
+    one, a ``config.json`` with a wrong or out-of-range field, a weights file that is
+    not safetensors (pickles are never read), too large, or does not match the config.
+    """
     from safetensors.torch import load_file
 
+    from spec.io import FormatError, open_input, read_json_document
+
     folder = Path(folder)
+    if not folder.is_dir():
+        raise FormatError(str(folder), 0, "--model", "not a directory (a model folder holds "
+                          f"{CONFIG_FILE} and {WEIGHTS_FILE})")
     for name in (CONFIG_FILE, WEIGHTS_FILE):
-        if not (folder / name).is_file():
-            raise FileNotFoundError(f"{folder / name}: missing (a model folder holds {CONFIG_FILE} and {WEIGHTS_FILE})")
-    config = TinyLlamaConfig.from_json(json.loads((folder / CONFIG_FILE).read_text()))
-    return TinyLlama(config, load_file(str(folder / WEIGHTS_FILE)))
+        if not (folder / name).exists():
+            raise FormatError(str(folder / name), 0, "(file)", f"missing (a model folder holds {CONFIG_FILE} and {WEIGHTS_FILE})")
+    obj, text = read_json_document(folder / CONFIG_FILE)
+    config = _check_config_json(obj, str(folder / CONFIG_FILE), text)
+    weights_path = str(folder / WEIGHTS_FILE)
+    open_input(weights_path, "MAX_WEIGHTS_BYTES", MAX_WEIGHTS_BYTES).close()
+    try:
+        weights = load_file(weights_path)  # safetensors: a JSON header and raw tensors, never code
+    except Exception as e:  # SafetensorError derives from Exception only
+        raise FormatError(weights_path, 0, "(file)", f"not a safetensors file ({e})") from None
+    for name, tensor in weights.items():
+        if not tensor.is_floating_point():
+            raise FormatError(weights_path, 0, name, f"expected floating-point weights, got {tensor.dtype}")
+    try:
+        return TinyLlama(config, weights)
+    except ValueError as e:
+        raise FormatError(weights_path, 0, "(weights)", str(e)) from None

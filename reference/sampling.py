@@ -39,8 +39,8 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= 1e6:  # NaN fails this too
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
@@ -62,7 +62,10 @@ class SamplingParams:
             key = key.strip()
             if key not in kinds or not value:
                 raise ValueError(f"bad sampling option {part!r} (use {', '.join(k + '=…' for k in kinds)})")
-            kw[key] = kinds[key](value)
+            try:
+                kw[key] = kinds[key](value)
+            except ValueError:
+                raise ValueError(f"--sampling {key}: expected {'an integer' if kinds[key] is int else 'a number'}, got {value!r}") from None
         return cls(**kw)
 
     def describe(self) -> str:

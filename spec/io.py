@@ -347,7 +347,8 @@ def _header(rows: Iterator[tuple[int, Any]], path: str, fmt: str, schema_name: s
         got = header.get("format")
         raise FormatError(path, number, "format",
                           f"expected \"{fmt}\" in the header line, got {_short(got) if got is not None else 'no format tag'}")
-    if header.get("version") != FORMAT_VERSION and "version" in header:
+    version = header.get("version")
+    if "version" in header and (type(version) is not int or version != FORMAT_VERSION):  # 1.0 and true equal 1 in Python
         raise FormatError(path, number, "version",
                           f"unsupported version {_short(header['version'])} (this batchspec reads version {FORMAT_VERSION})")
     _check_schema(schema_name, header, path, number)
@@ -406,8 +407,34 @@ _REQUEST_LIMITS = {"prompt_len": "prompt_len", "max_tokens": "max_tokens", "arri
                    "abort_at": "steps", "arrival_time": "arrival_time"}
 
 
+#: Token-id arrays of a request, and the limit on their length.
+_TOKEN_LISTS = {"prompt": "prompt_len", "stop_token_ids": "token_list", "output_tokens": "max_tokens"}
+
+
+def _token_lists_checked(obj: Any, path: str, line: int) -> Any:
+    """Check the token-id arrays here (length first, then a tight loop over the items) and
+    return ``obj`` with each array cut to one item for the schema: a million-item array
+    through jsonschema takes seconds."""
+    if not isinstance(obj, dict):
+        return obj
+    short = None
+    for name, limit in _TOKEN_LISTS.items():
+        tokens = obj.get(name)
+        if not isinstance(tokens, list) or len(tokens) <= 1:
+            continue
+        if len(tokens) > LIMITS[limit]:
+            what = "prompt_len" if name == "prompt" else name
+            raise FormatError(path, line, what, f"{len(tokens):,} tokens exceed the limit {limit}={LIMITS[limit]:,}")
+        for i, t in enumerate(tokens):
+            if type(t) is not int or t < 0:
+                raise FormatError(path, line, f"{name}.{i}", f"{t!r} is not a token id (an integer >= 0)")
+        short = short if short is not None else dict(obj)
+        short[name] = tokens[:1]
+    return obj if short is None else short
+
+
 def _request(obj: Any, path: str, line: int, vocab: int) -> TraceRequest:
-    _check_schema("trace-request", obj, path, line)
+    _check_schema("trace-request", _token_lists_checked(obj, path, line), path, line)
     req = TraceRequest.from_json(obj)
     for name, limit in _REQUEST_LIMITS.items():
         value = getattr(req, name)
