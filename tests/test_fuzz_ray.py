@@ -1,10 +1,14 @@
 """The campaign on a Ray cluster (a local head started by the test).
 
 Opt-in (marker ``ray``): ``pip install -e '.[ray]' && python -m pytest -m ray``.
-Selected without Ray installed, it fails rather than skips.
+Selected without Ray installed, it fails rather than skips.  Ray's command line is
+found through the interpreter running the tests (a virtual environment need not be
+activated, nor its ``bin`` be on PATH).
 """
 import socket
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +23,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def ray_cli() -> list[str]:
+    """The ``ray`` command of this interpreter's installation: the script beside ``sys.executable``,
+    else Ray's click entry point run by this interpreter."""
+    script = Path(sys.executable).with_name("ray")
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; sys.exit(main())"]
+
+
 @pytest.fixture(scope="module")
 def ray_head():
     try:
@@ -26,13 +39,13 @@ def ray_head():
     except ImportError:
         pytest.fail("the `ray` marker was selected but Ray is not installed: pip install -e '.[ray]'")
     port = free_port()
-    subprocess.run(["ray", "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+    subprocess.run([*ray_cli(), "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
                     "--disable-usage-stats"], check=True, capture_output=True, timeout=120)
     yield f"127.0.0.1:{port}"
     import ray
 
     ray.shutdown()
-    subprocess.run(["ray", "stop", "--force"], capture_output=True, timeout=120)
+    subprocess.run([*ray_cli(), "stop", "--force"], capture_output=True, timeout=120)
 
 
 def test_ray_campaign_equals_the_local_one(ray_head, tmp_path):

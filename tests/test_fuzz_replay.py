@@ -184,3 +184,49 @@ def test_replay_command_against_a_recorded_log(tmp_path):
     records[1].scheduled = records[1].scheduled[::-1] + [("intruder", 2)]
     write_log(DecisionLog("elsewhere", "exact", records), log_path)
     assert replay_command(str(trace_path), engine_log=str(log_path)) == 1
+
+
+class DivergesThenExplodes(SpecEngine):
+    """Schedules request r0's prefill one token short at its first step, and raises if it is
+    ever stepped three steps past that: a lock-step replay must have stopped by then."""
+
+    def step(self):
+        self.n = getattr(self, "n", 0) + 1
+        if self.n > 4:
+            raise AssertionError("stepped past the divergence: the replay did not stop")
+        record = super().step()
+        if self.n == 1:
+            record.scheduled = [(rid, n - 1 if rid == "r0" else n) for rid, n in record.scheduled]
+        return record
+
+
+def test_replay_runs_in_lock_step_and_stops_at_the_first_divergence():
+    trace = _two_request_trace()
+    result = replay(trace, DivergesThenExplodes.from_trace(trace))
+    assert result.divergence.kind == "decision" and result.divergence.step == 0
+    assert [r.step for r in result.engine_records] == [0] and [r.step for r in result.spec_records] == [0]
+    context = replay(trace, DivergesThenExplodes.from_trace(trace), after=2)  # steps kept for a report's window
+    assert context.divergence.step == 0 and [r.step for r in context.engine_records] == [0, 1, 2]
+
+
+def test_a_crash_inside_a_step_is_a_finding_with_file_and_line():
+    trace = _two_request_trace()
+    engine = Crashes.from_trace(trace)
+    engine._steps_taken = 0
+    result = replay(trace, engine)
+    assert result.divergence.kind == ERROR and result.divergence.step == 2
+    assert "RuntimeError: boom at " in result.divergence.engine_value and __file__ in result.divergence.engine_value
+
+
+def test_an_engine_whose_constructor_raises_is_not_a_finding():
+    from fuzz.replay import EngineBuildError
+
+    def broken(trace):
+        raise KeyError("no such setting")
+
+    register_engine("broken-ctor", broken)
+    try:
+        with pytest.raises(EngineBuildError, match="could not be constructed: KeyError"):
+            replay(random_trace(0), "broken-ctor")
+    finally:
+        del ENGINES["broken-ctor"]
