@@ -13,7 +13,7 @@ from batchspec.data import trace_samples
 from spec.io import load_trace
 
 #: Rows imported from each sample: enough for queueing, preemption and rejections, quick to run.
-ROWS = 20
+ROWS = 10
 #: Length-only tables have no arrival times; the importer needs a rate for them.
 LENGTH_TABLES = ("sharegpt_8k_lengths_llama2_tokenizer.csv", "arxiv_summarization_lengths_llama2_tokenizer.csv")
 
