@@ -5,6 +5,7 @@ benchmark or script may point at a folder beside it (the ``shared`` folder the
 project was first developed next to).  The trace samples the tests and the README
 use are bundled, byte for byte as their README's sha256 list says.
 """
+import fnmatch
 import hashlib
 import re
 from pathlib import Path
@@ -52,3 +53,15 @@ def test_license_texts_travel_with_the_samples():
     for name in ("LICENSE-Apache-2.0.txt", "LICENSE-MIT-vidur.txt"):
         assert (TRACES / name).is_file() and name in readme
     assert "creativecommons.org/licenses/by/4.0" in readme
+
+
+def test_every_bundled_file_is_package_data():
+    """``pip install .`` (not only a clone) must carry every sample and its license texts."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    line = re.search(r'^"batchspec\.data"\s*=\s*\[(.*)\]\s*$', pyproject, re.M)
+    assert line, "pyproject.toml declares no package data for batchspec.data"
+    patterns = re.findall(r'"([^"]+)"', line.group(1))
+    for path in TRACES.iterdir():
+        if path.name.startswith("."):
+            continue  # .gitattributes: for git, not for users
+        assert any(fnmatch.fnmatch(f"traces/{path.name}", p) for p in patterns), f"{path.name} is not package data"
