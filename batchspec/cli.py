@@ -13,6 +13,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from batchspec.render import readable
 from spec.config import PROFILES, ConfigError
 from spec.formats import DecisionLog
 from spec.io import FormatError, OptionError, check_outputs, load_trace, write_log
@@ -25,24 +26,30 @@ err_console = Console(stderr=True, soft_wrap=True)  # error lines stay whole: th
 BAD_INPUT = 2
 
 DESCRIPTION = """\
-batchspec: an executable specification of LLM-serving schedulers (queueing, continuous
-batching, chunked prefill, paged KV memory, prefix caching, preemption, fairness) and a
-differential oracle for serving engines.
+An executable specification of LLM-serving schedulers (queueing, continuous
+batching, chunked prefill, paged KV memory, prefix caching, preemption,
+fairness) and a differential oracle for serving engines.
 
-Start with `batchspec run` (the bundled example, step by step), `batchspec explain TRACE ID`
-(why a request waited), `batchspec replay TRACE --engine gpu` (does an engine decide the
-same way?), `batchspec fuzz` (a differential campaign), `batchspec check-log LOG` (an
-engine's own decision log against every invariant) and `batchspec simulate TRACE` (serving
-metrics in modelled time).  `batchspec COMMAND --help` describes each command."""
+Start here:
+  batchspec run                       the bundled example, step by step
+  batchspec explain TRACE ID          why a request waited, rule by rule
+  batchspec replay TRACE --engine E   does an engine decide the same way?
+  batchspec fuzz                      a differential campaign against an engine
+  batchspec check-log LOG             an engine's log against every invariant
+  batchspec simulate TRACE            serving metrics in modelled time
+
+`batchspec COMMAND --help` describes each command and its options."""
 
 EPILOG = """\
 exit codes:
-  0  success: the run finished, the spec and the engine agree, the log keeps every invariant
-  1  a finding: a divergence, an invariant violation, a stalled engine, failed proofs
-  2  bad input or a harness problem, reported on one line as FILE:LINE: FIELD: problem
-     (or OPTION: problem); nothing is written
+  0  success: the run finished, the spec and the engine agree,
+     the log keeps every invariant
+  1  a finding: a divergence, an invariant violation, a stalled
+     engine, a proof that failed
+  2  bad input or a harness problem, on one line as
+     FILE:LINE: FIELD: problem (or OPTION: problem); nothing written
 
-Traces and decision logs are JSON lines; their schemas are in spec/schemas/."""
+Traces and decision logs are JSON lines (schemas: spec/schemas/)."""
 
 ENGINE_HELP = ("engine under test: gpu (the built-in engine, scheduler only), gpu-model (with its model), "
                "reference (the tiny PyTorch model), vllm (vLLM's own scheduler, extra `vllm`), spec, "
@@ -196,7 +203,7 @@ def cmd_check_log(args) -> int:
         table.add_column(col)
     for v in report.violations[: args.max_rows]:
         table.add_row(v.invariant, str(v.step), v.request or "", v.evidence)
-    console.print(table)
+    console.print(readable(table))
     return 1
 
 
@@ -210,7 +217,7 @@ def cmd_invariants(args) -> int:
         table.add_column(col, overflow="fold")
     for e in catalogue():
         table.add_row(e.id, e.statement, e.profiles, " ".join(e.bugs), ", ".join(e.checked_by))
-    console.print(table)
+    console.print(readable(table))
     console.print("checked by: spec = after every step; hypothesis = stateful machine; log = batchspec check-log; "
                   "z3 = batchspec prove.  Bug families: docs/reference/real-bugs.md")
     return 0
@@ -286,6 +293,15 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def check_directory_option(option: str, path: str) -> None:
+    """Refuse an output directory that exists as something else, or sits below a non-directory."""
+    probe = os.path.abspath(path)
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise OptionError(option, f"{path}: {probe} is not a directory")
+
+
 #: Engines that implement every profile, so ``batchspec fuzz`` spreads over the whole map by default.
 BUILT_IN_ENGINES = ("gpu", "gpu-model", "reference")
 
@@ -320,8 +336,7 @@ def cmd_fuzz(args) -> int:
     from spec.io import parse_knob_settings
 
     knobs = parse_knob_settings(args.set or "", "--set")  # OptionError: exit 2 before any work
-    if os.path.exists(args.corpus) and not os.path.isdir(args.corpus):
-        raise OptionError("--corpus", f"{args.corpus} is not a directory")
+    check_directory_option("--corpus", args.corpus)
     cfg = CampaignConfig(seed=args.seed, engine=args.engine, level=args.level, traces=args.traces, seconds=args.seconds,
                          workers=args.workers or os.cpu_count() or 1, shard=(i, n), corpus=args.corpus,
                          timeout=args.timeout, shrink_tries=args.shrink_tries, resume=args.resume, ray=args.ray,
@@ -367,7 +382,7 @@ def cmd_fuzz(args) -> int:
                   f"{len(state.covered)}/{len(RULES)}", str(len(state.findings)), first_finding_text(state))
     table.caption = f"engine {cfg.engine} implements: {envelope.describe()}" + (
         f" ({state.outside_envelope} traces drawn outside it, not run)" if state.outside_envelope else "")
-    console.print(table)
+    console.print(readable(table))
     if state.findings:  # one row per group of divergences that share a cause (fuzz/corpus.py)
         ft = Table(title=f"findings, one per group (saved in {cfg.corpus}/)")
         for col in ("finding", "divergent traces", "raw signatures", "first trace", "shrunk to"):
@@ -375,7 +390,7 @@ def cmd_fuzz(args) -> int:
         for name, f in state.findings.items():
             ft.add_row(name, str(f["count"]), str(len(f.get("raw_signatures", [])) or 1), str(f["first_trace"]),
                        f"{f['requests']} requests" if f.get("requests") else f.get("error", "-"))
-        console.print(ft)
+        console.print(readable(ft))
     missed = sorted(set(RULES) - set(state.covered))
     if missed:
         console.print(f"rule ids not hit: {', '.join(missed)}")
@@ -410,8 +425,8 @@ def cmd_conform(args) -> int:
     from fuzz.conform import conform_command
 
     check_outputs({"--json": args.json}, {})
-    if args.save_divergent and os.path.exists(args.save_divergent) and not os.path.isdir(args.save_divergent):
-        raise OptionError("--save-divergent", f"{args.save_divergent} is not a directory")
+    if args.save_divergent:
+        check_directory_option("--save-divergent", args.save_divergent)
 
     return conform_command(args.engine, args.traces, args.seed, args.level, args.workers, args.json, args.markdown,
                            args.save_divergent, progress=not args.no_progress, capabilities=args.capabilities)
@@ -435,7 +450,7 @@ def cmd_profiles(args) -> int:
             table.add_row(k, repr(getattr(p.config, k)))
         for k, v in p.fixed.items():
             table.add_row(f"[dim]{k}[/]", f"[dim]{v}[/]")
-        console.print(table)
+        console.print(readable(table))
         console.print("sources: " + "; ".join(p.sources))
     return 0
 
@@ -484,7 +499,10 @@ def build_parser() -> argparse.ArgumentParser:
     workers = int_option(0, MAX_WORKERS)
 
     def command(name: str, help_text: str, **kw):
-        return sub.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".",
+        import textwrap
+
+        description = textwrap.fill(help_text[0].upper() + help_text[1:] + ".", width=79)
+        return sub.add_parser(name, help=help_text, description=description,
                               epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
 
     run = command("run", "run a trace through the spec and print the step table")

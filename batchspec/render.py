@@ -7,6 +7,19 @@ from rich.table import Table
 from spec.formats import StepRecord, Trace
 
 
+def readable(table: Table, compact: bool = False) -> Table:
+    """Nothing is cut off in a narrow terminal (80 columns): every cell folds onto more
+    lines instead of ending in "…".  ``compact`` drops the outer padding and heavy box
+    of wide tables, leaving more room for their numbers."""
+    for column in table.columns:
+        column.overflow = "fold"
+    if compact:
+        table.box = box.SIMPLE_HEAVY
+        table.pad_edge = False
+        table.collapse_padding = True
+    return table
+
+
 def batch_cell(record: StepRecord, prompt_lens: dict[str, int] | None = None) -> str:
     """``A:16p B:1d`` — each scheduled request with its tokens, p(refill) or d(ecode)."""
     parts = []
@@ -22,10 +35,10 @@ def _ids(items) -> str:
 
 def step_table(records: list[StepRecord], title: str | None = None, max_rows: int | None = None) -> Table:
     """One row per executed step: batch, admissions, preemptions, finishes, free blocks."""
-    table = Table(title=title, box=box.SIMPLE_HEAVY, show_lines=False)
+    table = Table(title=title, box=box.SIMPLE_HEAVY, show_lines=False, pad_edge=False)
     for name, style in (("step", "bold"), ("batch", ""), ("admitted", "green"),
-                        ("preempted", "red"), ("finished", "cyan"), ("aborted/rejected", "magenta"), ("free", "")):
-        table.add_column(name, style=style, justify="right" if name in ("step", "free") else "left")
+                        ("preempted", "red"), ("finished", "cyan"), ("aborted/ rejected", "magenta"), ("free", "")):
+        table.add_column(name, style=style, justify="right" if name in ("step", "free") else "left", overflow="fold")
     shown = records if max_rows is None else records[:max_rows]
     for r in shown:
         admitted = " ".join(r.new + [f"{x}(resumed)" for x in r.resumed])
@@ -33,6 +46,7 @@ def step_table(records: list[StepRecord], title: str | None = None, max_rows: in
         free = "" if r.num_free_blocks is None else str(r.num_free_blocks)
         table.add_row(str(r.step), batch_cell(r), admitted, _ids(r.preempted), _ids(r.finished), gone, free)
     table.caption = "batch: id:tokens, p = prefill chunk, d = decode; free: free blocks after the step"
+    table.caption_justify = "left"
     if max_rows is not None and len(records) > max_rows:
         table.caption += f"; {len(records) - max_rows} more steps not shown (--max-rows)"
     return table
@@ -57,7 +71,7 @@ def outcome_table(trace: Trace, records: list[StepRecord]) -> Table:
             info[rid]["end"] = f"{rec.step} rejected: {why}"
     table = Table(box=box.SIMPLE_HEAVY, title="requests")
     for col in ("request", "arrival", "admitted", "first token", "preemptions", "outputs", "end"):
-        table.add_column(col, justify="left" if col in ("request", "end") else "right")
+        table.add_column(col, justify="left" if col in ("request", "end") else "right", overflow="fold")
     for rid, i in info.items():
         table.add_row(rid, str(i["arrival"]), str(i.get("admitted", "-")), str(i.get("first_token", "-")),
                       str(i["preempted"]), str(i["outputs"]), i.get("end", "-"))

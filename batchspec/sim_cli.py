@@ -18,6 +18,7 @@ from rich.table import Table
 
 import argparse
 
+from batchspec.render import readable
 from spec.config import ConfigError
 from spec.io import OptionError
 
@@ -329,7 +330,7 @@ def cmd_import(args) -> int:
     table.add_column("rate", justify="right")
     dropped = "; ".join(f"{n:,} {why}" for why, n in report.dropped.items()) or "-"
     table.add_row(f"{report.rows:,}", f"{report.requests:,}", dropped, f"{report.span_s:,.1f} s", f"{report.rate:.3g}/s")
-    console.print(table)
+    console.print(readable(table))
     for note in report.notes:
         console.print(f"  {note}")
     return 0
@@ -455,7 +456,8 @@ def cmd_sweep(args) -> int:
             err_console.print(f"[yellow]skipped profile[/] {p.profile}: {p.error}", highlight=False)
     table = Table(title=f"{Path(args.trace).name}: TTFT against arrival rate — cost model {cost.name}")
     for col in ("profile", "rate/s", "TTFT p50", "p95", "p99 (s)", "TPOT p99 (ms)", "req/s", "goodput", "preempt", "queue growth"):
-        table.add_column(col, justify="left" if col == "profile" else "right")
+        table.add_column(col, justify="left" if col == "profile" else "right",
+                         min_width=None)
     skipped: dict[str, list[str]] = {}
     for p in points:
         if math.isnan(p.rate):
@@ -471,7 +473,7 @@ def cmd_sweep(args) -> int:
         table.add_row(p.profile, f"{p.rate:g}", f"{m.ttft.p50:.3g}", f"{m.ttft.p95:.3g}", f"{m.ttft.p99:.3g}",
                       f"{m.tpot.p99 * 1000:.1f}", f"{m.request_throughput:.3g}", f"{m.goodput:.3g}" if m.goodput is not None else "-",
                       f"{m.preemptions:,}", growth)
-    console.print(table)
+    console.print(readable(table, compact=True))
     for profile, rates_ in skipped.items():
         console.print(f"[dim]{profile}: not run at {', '.join(rates_)}/s (beyond its capacity boundary; --all-rates runs them)[/]")
     caps = capacity(points, args.slo_ttft)
@@ -488,7 +490,7 @@ def cmd_sweep(args) -> int:
         unbounded = f"{c.unbounded_rate:g}/s (bounded at {c.last_bounded_rate:g})" if c.unbounded_rate and c.last_bounded_rate else \
             (f"{c.unbounded_rate:g}/s (lowest rate)" if c.unbounded_rate else "not in range")
         ct.add_row(name, crossing, unbounded, f"{c.capacity_estimate:.3g}/s" if c.capacity_estimate else "-")
-    console.print(ct)
+    console.print(readable(ct, compact=True))
     cpu = sum(p.cpu_s for p in points)
     runs = sum(1 for p in points if p.metrics is not None)
     console.print(f"{runs} simulations in {wall:,.0f} s wall ({cpu:,.0f} s of simulation CPU time, {args.jobs or os.cpu_count()} workers)")
@@ -520,7 +522,7 @@ def cmd_calibrate(args) -> int:
     table.add_row(f"{m.fixed_s * 1e3:.4g} ms", f"{m.per_prefill_token_s * 1e6:.4g} µs", f"{m.per_decode_seq_s * 1e6:.4g} µs",
                   f"{m.per_kv_token_s * 1e9:.4g} ns", f"{result.r_squared:.4f}",
                   f"{result.median_relative_error:.1%} / {result.max_relative_error:.1%}")
-    console.print(table)
+    console.print(readable(table))
     return 0
 
 

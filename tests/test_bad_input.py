@@ -754,6 +754,65 @@ NOTHING_LOST = [
 for _id, _make, _expect in NOTHING_LOST:
     case(f"nothing-lost-{_id}", _make, *_expect, where="option")
 
+# --------------------------------------------------------------------------
+# Campaign state (fuzz --resume) and corpus directories (fuzz --corpus).
+# --------------------------------------------------------------------------
+
+
+def resume_state(content: str | bytes | None, kind: str = "file"):
+    """``fuzz --resume`` on a corpus whose state file is ``content`` (None: no state file)."""
+
+    def build(d: Path) -> list:
+        from fuzz.campaign import CampaignConfig, state_path
+
+        corpus = d / "corpus"
+        corpus.mkdir()
+        path = state_path(CampaignConfig(engine="gpu", profile="all", corpus=str(corpus)))
+        if kind == "directory":
+            path.mkdir()
+        elif kind == "fifo":
+            os.mkfifo(path)
+        elif isinstance(content, bytes):
+            path.write_bytes(content)
+        elif content is not None:
+            path.write_text(content)
+        return ["fuzz", "--traces", "1", "--workers", "1", "--corpus", corpus, "--resume"]
+
+    return build
+
+
+RESUME = [
+    ("no-state", resume_state(None), ("--resume", "no campaign state")),
+    ("empty", resume_state(""), ("--resume", "empty")),
+    ("binary", resume_state(bytes(range(256))), ("--resume",)),
+    ("truncated", resume_state('{"format": "batchspec-campaign", "seed": 0, "engi'), ("--resume",)),
+    ("a-trace", resume_state(lines(HEADER, REQ)), ("--resume",)),
+    ("a-list", resume_state("[1, 2, 3]"), ("--resume",)),
+    ("covered-a-string", resume_state(j({"covered": "ADMIT.NEW"})), ("--resume",)),
+    ("nan", resume_state('{"seed": NaN}'), ("--resume",)),
+    ("deep-nesting", resume_state("[" * 100_000 + "]" * 100_000), ("--resume",)),
+    ("a-directory", resume_state(None, "directory"), ("--resume",)),
+    ("a-fifo", resume_state(None, "fifo"), ("--resume",)),
+]
+for _id, _make, _expect in RESUME:
+    case(f"fuzz-resume-{_id}", _make, *_expect, where="option")
+
+
+def _corpus_below_a_file(d: Path) -> list:
+    (d / "plain").write_text("x")
+    return ["fuzz", "--traces", "1", "--corpus", d / "plain" / "corpus"]
+
+
+def _corpus_fifo(d: Path) -> list:
+    os.mkfifo(d / "corpus")
+    return ["fuzz", "--traces", "1", "--corpus", d / "corpus"]
+
+
+case("fuzz-corpus-below-a-file", _corpus_below_a_file, "--corpus", "not a directory", where="option")
+case("fuzz-corpus-is-a-fifo", _corpus_fifo, "--corpus", "not a directory", where="option")
+case("conform-save-divergent-is-a-file", lambda d: ["conform", "--engine", "spec", "--traces", "1", "--save-divergent", _fill("{file}", d)],
+     "--save-divergent", "not a directory", where="option")
+
 PLOTS_WITHOUT_MATPLOTLIB = [
     ("simulate-timeline", lambda d: ["simulate", _good_trace(d), "--cost-model", "unit", "--timeline", d / "t.png", "--json", d / "m.json"]),
     ("simulate-cdf", lambda d: ["simulate", _good_trace(d), "--cost-model", "unit", "--cdf", d / "c.svg"]),
