@@ -2,7 +2,7 @@
 
 A user who clones the repository has only the repository, so no source, doc, test,
 benchmark or script may point at a folder beside it (the ``shared`` folder the
-project was first developed next to).  The trace samples the tests and the README
+project was first developed next to) or at the development machine's own paths.  The trace samples the tests and the README
 use are bundled, byte for byte as their README's sha256 list says.
 """
 import fnmatch
@@ -14,7 +14,8 @@ from batchspec.data import TRACES, trace_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Built from parts so that this file does not match itself.
-OUTSIDE = re.compile(r"\.\./" + "shared" + r"|\b" + "shared" + r"/(reference|traces)\b")
+OUTSIDE = re.compile(r"\.\./" + "shared" + r"|\b" + "shared" + r"/(reference|traces)\b|\b" + "shared" + r" folder\b"
+                     + r"|/" + "work" + r"/(main|shared|venv)\b")
 TEXT_SUFFIXES = {".py", ".md", ".sh", ".toml", ".json", ".jsonl", ".txt", ".yaml", ".yml", ".cfg", ".ini"}
 SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", ".hypothesis", "build", "dist", "findings", "out"}
 
