@@ -250,6 +250,7 @@ def cmd_prove(args) -> int:
             console.print(name)
         return 0
     trace_dir = Path(args.trace_dir or Path(tempfile.gettempdir()) / "batchspec-prove")
+    check_directory_option("--trace-dir", str(trace_dir))
     jobs = args.jobs or min(4, os.cpu_count() or 1)
 
     def progress(row) -> None:
@@ -457,6 +458,8 @@ def cmd_profiles(args) -> int:
 
 def cmd_docs(args) -> int:
     from batchspec.docs import DocsError, ExampleDrift, differences, write
+
+    check_directory_option("--out", args.out)
 
     try:
         if args.check:

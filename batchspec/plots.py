@@ -44,10 +44,23 @@ def _save(fig, path: str | Path) -> str:
     if path.suffix.lower() not in (".png", ".svg"):
         raise ValueError(f"{path}: plots are written as .png or .svg")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130, bbox_inches="tight")
+    import os
+    import tempfile
+
     import matplotlib.pyplot as plt
 
-    plt.close(fig)
+    # a temporary file renamed into place: an interrupted plot never leaves half an image
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=130, bbox_inches="tight")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    finally:
+        plt.close(fig)
     return str(path)
 
 

@@ -318,12 +318,12 @@ def _allowed(knob: str, spec: Any, where: str) -> Allowed:
 
 def load(path: str | os.PathLike) -> Envelope:
     """Read a capability file (JSON); raises :class:`CapabilityError` as ``FILE: FIELD: problem``."""
-    try:
-        obj = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise CapabilityError(f"{path}: cannot read: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise CapabilityError(f"{path}:{e.lineno}: not JSON: {e.msg}") from None
+    from spec.io import FormatError, read_json_document
+
+    try:  # strict and bounded: a FIFO, a huge file, NaN, duplicate keys or deep nesting are refused
+        obj, _ = read_json_document(path)
+    except FormatError as e:
+        raise CapabilityError(str(e)) from None
     return parse(obj, str(path))
 
 

@@ -242,7 +242,7 @@ def conform_command(engine: str = "vllm", traces: int = 2000, seed: int = 0, lev
     from spec.formats import LEVELS
     from spec.io import write_trace
 
-    out, err = Console(), Console(stderr=True)
+    out, err = Console(), Console(stderr=True, soft_wrap=True)  # an error stays one line
     if level not in LEVELS or traces < 1:
         err.print(f"[red]error:[/] need --traces >= 1 and --level in {', '.join(LEVELS)}")
         return 2
@@ -263,6 +263,8 @@ def conform_command(engine: str = "vllm", traces: int = 2000, seed: int = 0, lev
             write_trace(trace_for(o.seed, envelope), folder / f"seed-{o.seed}.jsonl")
         out.print(f"divergent traces written to {folder}/seed-N.jsonl (replay: batchspec replay FILE --engine {engine})")
     if json_path:
-        Path(json_path).write_text(json.dumps(report.to_json(), indent=1) + "\n")
+        from spec.io import atomic_write_text
+
+        atomic_write_text(json_path, json.dumps(report.to_json(), indent=1) + "\n")
     out.print(f"{report.n_agreed}/{report.n_traces} traces agree ({report.command()})", highlight=False)
     return 0 if report.all_agreed else 1

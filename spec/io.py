@@ -495,6 +495,21 @@ def atomic_write_lines(path: str | os.PathLike, objects: Iterable[dict]) -> None
         raise
 
 
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
 def write_trace(trace: Trace, path: str | os.PathLike) -> None:
     atomic_write_lines(path, [trace.header_json(), *(r.to_json() for r in trace.requests)])
 

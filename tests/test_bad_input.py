@@ -813,6 +813,28 @@ case("fuzz-corpus-is-a-fifo", _corpus_fifo, "--corpus", "not a directory", where
 case("conform-save-divergent-is-a-file", lambda d: ["conform", "--engine", "spec", "--traces", "1", "--save-divergent", _fill("{file}", d)],
      "--save-divergent", "not a directory", where="option")
 
+CAPABILITIES = [
+    ("empty", text_file("cap.json", ""), ("cap.json:1: (file)", "empty")),
+    ("not-json", text_file("cap.json", "knobs: all"), ("cap.json:1: (file)", "invalid JSON")),
+    ("nan", text_file("cap.json", '{"knobs": {"watermark": {"min": NaN, "max": 0.5}}}'), ("cap.json:1: knobs.watermark.min", "NaN")),
+    ("duplicate-key", text_file("cap.json", '{"knobs": {}, "knobs": {}}'), ("cap.json:1: knobs", "duplicate key")),
+    ("deep-nesting", text_file("cap.json", "[" * 100_000 + "]" * 100_000), ("cap.json:1: (file)", "json_depth")),
+    ("unknown-field", text_file("cap.json", j({"gpus": 8})), ("cap.json", "gpus")),
+    ("directory", directory("cap.json"), ("cap.json:0: (file)", "directory")),
+    ("fifo", fifo("cap.json"), ("cap.json:0: (file)", "not a regular file")),
+    ("missing", missing("cap.json"), ("cap.json:0: (file)", "No such file")),
+]
+for _id, _make, _expect in CAPABILITIES:
+    case(f"fuzz-capabilities-{_id}", lambda d, m=_make: ["fuzz", "--traces", "1", "--corpus", d / "corpus", "--capabilities", m(d)],
+         *_expect, where=None)
+for _id in ("nan", "fifo", "deep-nesting"):
+    _make, _expect = {i: (m, e) for i, m, e in CAPABILITIES}[_id]
+    case(f"conform-capabilities-{_id}", lambda d, m=_make: ["conform", "--engine", "spec", "--traces", "1", "--capabilities", m(d)],
+         *_expect, where=None)
+case("docs-out-is-a-file", lambda d: ["docs", "--check", "--out", _fill("{file}", d)], "--out", "not a directory", where="option")
+case("prove-trace-dir-below-a-file", lambda d: ["prove", "--only", "mem", "--trace-dir", Path(_fill("{file}", d)) / "w"],
+     "--trace-dir", "not a directory", where="option")
+
 PLOTS_WITHOUT_MATPLOTLIB = [
     ("simulate-timeline", lambda d: ["simulate", _good_trace(d), "--cost-model", "unit", "--timeline", d / "t.png", "--json", d / "m.json"]),
     ("simulate-cdf", lambda d: ["simulate", _good_trace(d), "--cost-model", "unit", "--cdf", d / "c.svg"]),
@@ -959,7 +981,7 @@ def counts_by_command() -> dict[str, int]:
     from collections import Counter
 
     commands = ("check-log", "cost-model", "nothing-lost", "run", "explain", "replay", "generate", "simulate", "compare", "sweep",
-                "calibrate", "import", "fuzz", "conform", "prove")
+                "calibrate", "import", "fuzz", "conform", "prove", "docs")
     out: Counter = Counter()
     for c in CASES:
         out[next(k for k in commands if c.id.startswith(k + "-"))] += 1
