@@ -3,11 +3,15 @@
 Each mutant is a test-time patch (attributes replaced on gpu_engine's classes and
 modules for the duration of one campaign, then restored) — never a switch in the
 engine.  The bugs come from the families of docs/reference/real-bugs.md.  For
-each mutant a bounded campaign (one worker, the spec vs ``gpu`` at the exact level,
-stopping at the first finding) reports whether it was caught, the time to catch
-(detection and shrinking), and the size of the shrunk trace.
+each mutant a campaign of ``--seconds`` (one worker, the spec vs ``gpu`` at the
+exact level) reports whether it was caught, the **time to first finding**
+(detection and shrinking), the **findings per bug** (finding groups the one planted
+bug produced: the goal is 1), the raw signatures its divergences showed before
+shrinking (what the findings would be if each manifestation counted), and the size
+of the shrunk trace.  ``--stop-on-finding`` ends each campaign at its first finding
+(the time-to-catch table of earlier versions).
 
-    python benchmarks/mutation_score.py [--seconds 60] [--only NAME] [--out table.md]
+    python benchmarks/mutation_score.py [--seconds 60] [--only NAME[,NAME]] [--out table.md]
 """
 from __future__ import annotations
 
@@ -250,40 +254,57 @@ def planted(mutant: Mutant):
             setattr(obj, name, old)
 
 
-def score(mutant: Mutant, seconds: float, seed: int) -> dict:
+def score(mutant: Mutant, seconds: float, seed: int, stop_on_finding: bool = False) -> dict:
     with planted(mutant), tempfile.TemporaryDirectory() as corpus:
         t0 = time.perf_counter()
         state = run_campaign(CampaignConfig(seed=seed, engine="gpu", level="exact", seconds=seconds, workers=1,
-                                            corpus=corpus, timeout=30, shrink_tries=300, stop_on_finding=True))
+                                            corpus=corpus, timeout=30, shrink_tries=300, stop_on_finding=stop_on_finding))
         elapsed = time.perf_counter() - t0
-    if not state.findings:
-        return {"caught": False, "seconds": elapsed, "traces": state.traces}
-    name, f = next(iter(state.findings.items()))
-    return {"caught": True, "seconds": elapsed, "traces": state.traces, "signature": name,
-            "requests": f.get("requests"), "original": f.get("original_requests")}
+    raw = {r for f in state.findings.values() for r in f.get("raw_signatures", [])}
+    out = {"caught": bool(state.findings), "seconds": elapsed, "traces": state.traces, "findings": len(state.findings),
+           "raw": len(raw), "first": (state.first_finding or {}).get("seconds"),
+           "divergent": sum(f["count"] for f in state.findings.values())}
+    if state.findings:
+        name, f = min(state.findings.items(), key=lambda kv: kv[1]["first_trace"])
+        out.update(signature=", ".join(sorted(state.findings)), requests=f.get("requests"),
+                   original=f.get("original_requests"))
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seconds", type=float, default=60.0, help="campaign budget per mutant")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--only", help="run one mutant by name")
+    ap.add_argument("--only", help="run these mutants (comma-separated names)")
+    ap.add_argument("--stop-on-finding", action="store_true", help="end each campaign at its first finding")
     ap.add_argument("--out", help="also write the table (Markdown) to this file")
     args = ap.parse_args()
-    rows = []
-    header = "| mutant | bug family | caught | time to catch | traces run | shrunk trace | signature |\n|---|---|---|---:|---:|---|---|"
+    only = set(args.only.split(",")) if args.only else None
+    rows, results = [], []
+    header = ("| mutant | bug family | caught | time to first finding | findings per bug | raw signatures | "
+              "divergent traces | traces run | shrunk trace | finding(s) |\n|---|---|---|---:|---:|---:|---:|---:|---|---|")
     print(header)
     for m in MUTANTS:
-        if args.only and m.name != args.only:
+        if only and m.name not in only:
             continue
-        r = score(m, args.seconds, args.seed)
+        r = score(m, args.seconds, args.seed, args.stop_on_finding)
+        results.append(r)
         size = f"{r['requests']} requests (from {r['original']})" if r.get("requests") else "-"
-        row = (f"| `{m.name}` ({m.bug}) | {m.family} | {'yes' if r['caught'] else '**no**'} | {r['seconds']:.1f} s | "
-               f"{r['traces']} | {size} | {r.get('signature', '-')} |")
+        first = f"{r['first']:.1f} s" if r.get("first") is not None else "-"
+        row = (f"| `{m.name}` ({m.bug}) | {m.family} | {'yes' if r['caught'] else '**no**'} | {first} | "
+               f"{r['findings']} | {r['raw']} | {r['divergent']} | {r['traces']} | {size} | {r.get('signature', '-')} |")
         rows.append(row)
         print(row, flush=True)
-    caught = sum("| yes |" in r for r in rows)
-    summary = f"\n{caught}/{len(rows)} mutants caught within {args.seconds:g} s each (one worker, seed {args.seed})."
+    caught = [r for r in results if r["caught"]]
+    firsts = sorted(r["first"] for r in caught if r.get("first") is not None)
+    per_bug = sorted(r["findings"] for r in caught)
+    summary = (f"\n{len(caught)}/{len(rows)} mutants caught within {args.seconds:g} s each (one worker, seed {args.seed}"
+               + (", stopping at the first finding" if args.stop_on_finding else "") + ")."
+               + (f" Findings per caught bug: mean {sum(per_bug) / len(per_bug):.2f}, max {per_bug[-1]}, "
+                  f"{sum(1 for n in per_bug if n == 1)}/{len(per_bug)} exactly one (raw signatures: mean "
+                  f"{sum(r['raw'] for r in caught) / len(caught):.2f}, max {max(r['raw'] for r in caught)})."
+                  + (f" Time to first finding: median {firsts[len(firsts) // 2]:.1f} s, max {firsts[-1]:.1f} s."
+                     if firsts else "") if caught else ""))
     print(summary)
     if args.out:
         with open(args.out, "w") as f:

@@ -186,7 +186,9 @@ def _run_task(task: Task, on_detect: OnDetect | None) -> Outcome:
         small, out.shrink_tries = shrink(trace, same, seconds=SHRINK_SECONDS, max_tries=task.shrink_tries)
         out.shrunk = replay(small, task.engine, task.level, after=REPORT_CONTEXT)
         if not out.shrunk.agreed:
-            out.signature = signature(out.shrunk.divergence)
+            from fuzz.corpus import group_signature
+
+            out.signature = group_signature(out.shrunk)  # cause-first field and rule: one finding per bug
     out.seconds = time.perf_counter() - t0
     return out
 

@@ -246,6 +246,59 @@ def _atomic_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+#: The decision fields of a step in cause-first order: a request preempted (or rejected, aborted,
+#: finished) differently also runs differently in that step, so the grouping names the first.
+CAUSE_ORDER = ("rejected", "aborted", "preempted", "swapped_out", "swapped_in", "finished", "new", "resumed",
+               "scheduled", "sampled")
+
+
+def group_signature(result: ReplayResult) -> Signature:
+    """The signature a finding is grouped (and named) by: that of :func:`fuzz.shrink.signature`, but
+    with the *cause-first* field of the divergent step (:data:`CAUSE_ORDER`) and the spec's rule for
+    it — a wrong victim shows as ``preempted`` / ``PREEMPT.VICTIM_NEWEST`` whether the request it
+    leaves running was decoding or prefilling (``RUN.DECODE`` / ``RUN.PREFILL_CHUNK`` in ``scheduled``).
+    Memory-only divergences keep their field."""
+    from fuzz.diff import DECISION, _involved, _value, spec_reason
+    from fuzz.shrink import signature
+    from spec.formats import StepRecord, fields_at
+
+    div = result.divergence
+    assert div is not None
+    if div.kind != DECISION:
+        return signature(div)
+    spec = next((r for r in result.spec_records if r.step == div.step), None)
+    eng = next((r for r in result.engine_records if r.step == div.step), None)
+    compared = set(fields_at(result.level))
+    for name in CAUSE_ORDER:
+        if name not in compared:
+            continue
+        a = _value(spec or StepRecord(div.step), name, spec is None)
+        b = _value(eng or StepRecord(div.step), name, eng is None)
+        if a is None or b is None or a == b:
+            continue
+        if name == "sampled":
+            request = next(iter(sorted(set((spec or StepRecord(0)).sampled) ^ set((eng or StepRecord(0)).sampled))), None)
+        else:
+            request = _involved(name, a, b)
+        return (div.kind, name, _cause_rule(spec, request, name) or spec_reason(spec, request, name)[0] or "-")
+    return signature(div)
+
+
+#: Rule families that decide each cause field, best first (retraction is SGLang's preemption).
+_CAUSE_FAMILIES = {"preempted": ("PREEMPT.", "RETRACT.", "SWAP.", "RUN.PREEMPT"), "swapped_out": ("SWAP.", "PREEMPT."),
+                   "swapped_in": ("SWAP.",), "rejected": ("REJECT.",), "aborted": ("ABORT.",), "finished": ("STOP.",)}
+
+
+def _cause_rule(record, request: str | None, field_name: str) -> str | None:
+    """The spec's rule for ``request`` at this step from the families that decide ``field_name``."""
+    mine = [r for r in ((record.reasons if record else None) or []) if request is not None and r.get("request") == request]
+    for family in _CAUSE_FAMILIES.get(field_name, ()):
+        for r in mine:
+            if str(r.get("rule", "")).startswith(family):
+                return r["rule"]
+    return None
+
+
 def size(trace) -> tuple[int, int]:
     """How big an example is: requests, then tokens (prompt + max_tokens); smaller is better."""
     return len(trace.requests), sum(r.prompt_len + r.max_tokens for r in trace.requests)
