@@ -36,6 +36,8 @@ BAD_INPUT = 2
 
 #: Largest rate, speed-up or SLO an option may give (per second / factor / seconds).
 MAX_RATE = 1e6
+#: Smallest rate or speed-up (one request in 11.6 days); smaller ones overflow the simulated clock.
+MIN_RATE = 1e-6
 
 
 def _window(text: str) -> tuple[float, float]:
@@ -56,7 +58,7 @@ def _rates(text: str) -> list[float]:
     from spec.io import parse_float_value
 
     try:
-        rates = [parse_float_value(r, "--rates", 0, MAX_RATE, exclusive_minimum=True) for r in text.split(",")]
+        rates = [parse_float_value(r, "--rates", MIN_RATE, MAX_RATE) for r in text.split(",")]
     except OptionError as e:
         raise argparse.ArgumentTypeError(e.problem) from None
     if len(rates) > 1000:
@@ -107,13 +109,14 @@ def _add_trace_args(p, rate_help: str, formats: tuple[str, ...] = ("auto", "batc
                    help="source format: " + ", ".join(choices) + " (default: auto, detected from the first line)")
     p.add_argument("--first", type=int_option(1, LIMITS["requests"]), metavar="N", help="keep the first N requests")
     p.add_argument("--window", type=_window, metavar="START:END", help="keep arrivals in START:END seconds from the source's start")
-    p.add_argument("--speedup", type=float_option(0, MAX_RATE), default=1.0, metavar="X",
-                   help="divide arrival times by this factor (> 0, default 1)")
-    p.add_argument("--rate", type=float_option(0, MAX_RATE), metavar="R", help=rate_help)
+    p.add_argument("--speedup", type=float_option(MIN_RATE, MAX_RATE, exclusive_minimum=False), default=1.0, metavar="X",
+                   help=f"divide arrival times by this factor ({MIN_RATE:g} to {MAX_RATE:g}, default 1)")
+    p.add_argument("--rate", type=float_option(MIN_RATE, MAX_RATE, exclusive_minimum=False), metavar="R",
+                   help=rate_help + f" ({MIN_RATE:g} to {MAX_RATE:g})")
     p.add_argument("--process", choices=("poisson", "gamma"), default="poisson",
                    help="length-only tables: arrival process, poisson (default) or gamma")
-    p.add_argument("--cv", type=float_option(0, 1000.0), default=1.0, metavar="CV",
-                   help="gamma process: coefficient of variation of the gaps (> 0, default 1)")
+    p.add_argument("--cv", type=float_option(1e-3, 1000.0, exclusive_minimum=False), default=1.0, metavar="CV",
+                   help="gamma process: coefficient of variation of the gaps (0.001 to 1000, default 1)")
     p.add_argument("--seed", type=int_option(0, 2**63 - 1), default=0, help="length-only tables: arrival process seed (default 0)")
     p.add_argument("--tenant-column", type=text_option, metavar="COLUMN",
                    help="CSV column whose values are the tenants (e.g. Model for BurstGPT)")
@@ -542,7 +545,7 @@ def add_parsers(sub, command=None) -> None:
                     help="profile written in the trace header (default vllm-v1); one of " + ", ".join(sorted(PROFILES)))
     im.add_argument("--set", dest="overrides", default={}, type=_knobs_arg, metavar="KNOB=VALUE,...",
                     help="knobs written in the trace header (e.g. num_blocks=4096)")
-    im.add_argument("--step-seconds", type=float_option(0, 3600.0), default=1.0, metavar="S",
+    im.add_argument("--step-seconds", type=float_option(1e-6, 3600.0, exclusive_minimum=False), default=1.0, metavar="S",
                     help="seconds per step for arrival_step, the clock of run / replay / fuzz (default 1)")
     im.set_defaults(fn=cmd_import)
 
@@ -572,7 +575,7 @@ def add_parsers(sub, command=None) -> None:
     sw.add_argument("--profiles", default="vllm-v1", type=text_option, metavar="P1,P2:KNOB=VALUE,...",
                     help="comma-separated: name or name:knob=value,... (default vllm-v1)")
     sw.add_argument("--rates", type=_rates, metavar="R1,R2,...",
-                    help="comma-separated arrival rates, each > 0 (default: 10 rates, 1/8x to 64x the trace's own)")
+                    help=f"comma-separated arrival rates, each {MIN_RATE:g} to {MAX_RATE:g} (default: 10 rates, 1/8x to 64x the trace's own)")
     sw.add_argument("--slo-ttft", type=float_option(0, MAX_RATE), default=2.0, metavar="S", help="SLO on p99 TTFT in seconds (default 2)")
     sw.add_argument("--jobs", type=int_option(0, MAX_WORKERS), default=0, metavar="N", help="worker processes (default 0: all cores)")
     sw.add_argument("--all-rates", action="store_true", help="also run rates beyond a profile's first unbounded one")
