@@ -90,10 +90,13 @@ def replay_engine_arg(engine: str) -> str:
     module, qual = getattr(factory, "__module__", None), getattr(factory, "__qualname__", "")
     if module == "__main__":  # a launcher run as a script: name its file as a module
         path = getattr(sys.modules.get("__main__"), "__file__", None)
-        try:
-            rel = Path(path).resolve().relative_to(Path.cwd()) if path else None
-        except ValueError:
-            rel = None
+        rel = None
+        for candidate in ((Path(path).absolute(), Path(path).resolve()) if path else ()):
+            try:  # as the user named it (symlinks kept), else the real file
+                rel = candidate.relative_to(Path.cwd().absolute())
+                break
+            except ValueError:
+                continue
         module = ".".join(rel.with_suffix("").parts) if rel is not None and rel.suffix == ".py" else None
     if module and qual.isidentifier() and all(part.isidentifier() for part in module.split(".")):
         return f"{module}:{qual}"
@@ -201,6 +204,8 @@ def triage_report(result: ReplayResult, sig: Signature, name: str, provenance: s
 
 **{div.kind}** on field `{div.field}`{f" (request {div.request})" if div.request else ""}; spec rule `{div.rule or "-"}`.
 Engine `{result.engine}`, compared at the `{result.level}` level. {provenance}
+Finding group: `{"` · `".join(sig)}` — every divergent trace whose shrunk divergence shows this cause counts here
+(`{name}.group.json`: how many, and the size of this example, the smallest so far).
 {chr(10) + lead + chr(10) if lead else ""}
 Replay it (exit 1 while the divergence is there, 0 once fixed):
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -29,6 +30,13 @@ def guide_script() -> list[tuple[str, int]]:
         m = re.search(r"exit (\d+)", comment)
         out.append((command.strip(), int(m.group(1)) if m else 0))
     return out
+
+
+def runnable(command: str) -> str:
+    """A guide command with `python` and `batchspec` resolved to this interpreter."""
+    python, batchspec = shlex.quote(sys.executable), f"{shlex.quote(sys.executable)} -m batchspec.cli"
+    command = re.sub(r"(^|\s)python ", rf"\1{python} ", command)
+    return re.sub(r"(^|\s)batchspec ", rf"\1{batchspec} ", command)
 
 
 def load_toy(bug: str = ""):
@@ -79,22 +87,24 @@ def test_the_toy_engine_agrees_with_the_spec_on_naive_traces(seed):
 
 def test_the_guides_script_runs_as_documented(tmp_path):
     """Every line of the guide's tested script, with the exit status the guide promises: the toy engine agrees
-    with the spec (replay, a fuzz campaign, check-log, replay of its log); the planted bug is found, shrunk,
-    saved with a triage report, replays as a divergence, is fixed by removing it, and its log breaks
+    with the spec (replay, a fuzz campaign inside its declared envelope with no harness failure, check-log,
+    replay of its log); a profile outside the envelope is refused; the planted bugs are found, each as exactly
+    one finding group, shrunk, saved with a triage report that names the knob and prints a replay command that
+    runs as printed, replay as a divergence, are fixed by removing them, and the priority bug's log breaks
     QUEUE.ADMISSION_ORDER on its own."""
     (tmp_path / "docs").symlink_to(REPO / "docs")
     (tmp_path / "examples").symlink_to(REPO / "examples")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
            "COLUMNS": "120"}
     env.pop("TOY_BUG", None)
-    python, batchspec = shlex.quote(sys.executable), f"{shlex.quote(sys.executable)} -m batchspec.cli"
     script = guide_script()
     assert len(script) >= 8
+    outputs = {}
     for command, want in script:
-        runnable = re.sub(r"(^|\s)python ", rf"\1{python} ", command)
-        runnable = re.sub(r"(^|\s)batchspec ", rf"\1{batchspec} ", runnable)
-        done = subprocess.run(["bash", "-c", runnable], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(["bash", "-c", runnable(command)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)
         assert done.returncode == want, f"{command}\nexit {done.returncode}, the guide says {want}\n{done.stdout}\n{done.stderr}"
+        outputs[command] = done.stdout + done.stderr
     findings = sorted(p.name for p in (tmp_path / "findings-toy-bug").glob("*.jsonl"))
     assert len(findings) == 1, findings
     name = findings[0][: -len(".jsonl")]
@@ -102,6 +112,34 @@ def test_the_guides_script_runs_as_documented(tmp_path):
     assert "QUEUE.ADMISSION_ORDER" in report
     assert (tmp_path / "findings-toy-bug" / "toy" / f"{name}.log.jsonl").exists()
     assert not list((tmp_path / "findings-toy").glob("*.jsonl")), "the unmodified toy engine has no findings"
+
+    # the capability-declaring engine: a campaign inside its envelope, stated in the summary, with no harness failure
+    clean = next(c for c in outputs if "--corpus findings-toy " in c + " ")
+    assert "engine toy implements: profile naive; policy fcfs|priority" in " ".join(outputs[clean].split())
+    assert "failed inside the harness" not in outputs[clean]
+    [state_file] = (tmp_path / "findings-toy").glob(".campaign-*.json")
+    state = json.loads(state_file.read_text())
+    assert state["traces"] == 64 and state["errors"] == 0 and state["outside_envelope"] == 0
+    refused = next(c for c in outputs if "--profile tgi" in c)
+    assert "outside engine toy's capabilities" in outputs[refused] and "batching='prefill-first'" in outputs[refused]
+
+    # a planted bug that shows in several ways: exactly one finding group, named by the knob that exposes it
+    groups = sorted((tmp_path / "findings-toy-cap").glob("*.jsonl"))
+    assert len(groups) == 1, groups
+    group = json.loads(groups[0].with_suffix(".group.json").read_text())
+    assert group["count"] > 1 and group["example_requests"] == 1
+    cap_report = groups[0].with_suffix(".md").read_text()
+    assert "This finding depends on the knob **`long_prefill_token_threshold=" in cap_report
+
+    # every report's replay command runs as printed (copy-paste), exit 1 with the bug and 0 without it
+    for folder, bug in (("findings-toy-bug", "priority"), ("findings-toy-cap", "lone_cap")):
+        [md] = (tmp_path / folder).glob("*.md")
+        command = re.search(r"Replay it.*?```bash\n(.*?)\n```", md.read_text(), re.S).group(1)
+        assert command.startswith(f"batchspec replay {folder}/") and "--engine examples.toy_engine:ToyEngine" in command
+        for planted, want in ((bug, 1), ("", 0)):
+            done = subprocess.run(["bash", "-c", runnable(command)], cwd=tmp_path, env={**env, "TOY_BUG": planted},
+                                  capture_output=True, text=True, timeout=120)
+            assert done.returncode == want, f"TOY_BUG={planted} {command}: exit {done.returncode}\n{done.stdout}{done.stderr}"
 
     # the guide's regression-corpus test, on the finding: agrees without the bug, diverges with it
     from fuzz.corpus import corpus_traces
@@ -114,6 +152,24 @@ def test_the_guides_script_runs_as_documented(tmp_path):
         trace = load_trace(path)
         assert replay(trace, fixed.ToyEngine(trace), level="exact").agreed
         assert not replay(trace, buggy.ToyEngine(trace), level="exact").agreed
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_the_toy_engine_agrees_inside_its_declared_envelope(seed):
+    """The toy's capabilities are what it implements: random traces drawn inside them agree with the spec."""
+    from fuzz.campaign import CampaignConfig, trace_options
+    from fuzz.capabilities import parse
+    from fuzz.generate import random_trace
+    from fuzz.replay import replay
+
+    toy = load_toy()
+    envelope = parse(toy.CAPABILITIES)
+    cfg = CampaignConfig(seed=seed, engine="toy")
+    for k in range(16):
+        trace = random_trace(1000 * seed + k, **{"max_steps": 3000, **trace_options(cfg, k, [], envelope)})
+        assert envelope.admits(trace.config)
+        result = replay(trace, toy.ToyEngine(trace), level="exact")
+        assert result.agreed, result.describe()
 
 
 def test_an_engine_named_module_colon_factory_needs_no_registration():
