@@ -54,3 +54,112 @@ def test_priority_self_preempt_knob_is_what_separates_vllm_032_from_033():
     d = replay_records(as_033, records, "exact", engine="vllm").divergence
     assert d is not None and (d.step, d.field) == (2, "scheduled")
     assert d.spec_value == [["B", 1]] and d.engine_value == []
+
+
+# -- the findings corpus: one group per bug, its count and smallest example, knob-naming reports ------------------
+
+import json  # noqa: E402
+
+from fuzz import corpus as C  # noqa: E402
+from fuzz.diff import Divergence  # noqa: E402
+from spec.formats import StepRecord, Trace, TraceRequest  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+TOY = "examples.toy_engine:ToyEngine"
+
+
+def lone_cap_result(monkeypatch, prompts=(50,), cap=40):
+    """A real divergence: the toy with its lone-cap bug planted, on requests that arrive one after another."""
+    import examples.toy_engine as toy
+    from fuzz.replay import replay
+
+    monkeypatch.setattr(toy, "BUG", "lone_cap")
+    requests = [TraceRequest(id=chr(65 + i), arrival_step=0, prompt_len=n, max_tokens=1) for i, n in enumerate(prompts)]
+    trace = Trace(config={"profile": "naive", "long_prefill_token_threshold": cap, "num_blocks": 40}, requests=requests)
+    result = replay(trace, TOY, "exact")
+    assert not result.agreed
+    return result
+
+
+def test_a_group_keeps_its_smallest_example_and_counts_every_hit(tmp_path, monkeypatch):
+    big = lone_cap_result(monkeypatch, prompts=(50, 60, 70))
+    small = lone_cap_result(monkeypatch, prompts=(50,))
+    sig = ("decision", "scheduled", "ADMIT.NEW")
+    assert C.save_finding(tmp_path, big, sig, engine=TOY) is not None
+    assert C.save_finding(tmp_path, big, sig, engine=TOY) is None, "not smaller: kept, counted"
+    path = C.save_finding(tmp_path, small, sig, engine=TOY)
+    assert path is not None and len(load_trace(path).requests) == 1, "a smaller example replaces the kept one"
+    assert C.save_finding(tmp_path, big, sig, engine=TOY) is None
+    group = C.read_group(tmp_path, C.slug(sig))
+    assert group["count"] == 4 and group["example_requests"] == 1 and group["signature"] == list(sig)
+    assert [p.name for p in C.corpus_traces(tmp_path)] == ["decision-scheduled-admit-new.jsonl"]
+    report = (tmp_path / "decision-scheduled-admit-new.md").read_text()
+    assert f"batchspec replay {tmp_path}/decision-scheduled-admit-new.jsonl --engine {TOY} --level exact" in report
+
+
+def test_the_report_names_the_knob_the_finding_depends_on(tmp_path, monkeypatch):
+    result = lone_cap_result(monkeypatch)
+    C.save_finding(tmp_path, result, ("decision", "scheduled", "ADMIT.NEW"), engine=TOY)
+    report = (tmp_path / "decision-scheduled-admit-new.md").read_text()
+    assert "This finding depends on the knob **`long_prefill_token_threshold=40`** (profile `naive` has `0`)" in report
+    knobs = report[report.index("## Knobs this trace sets apart"):report.index("## The divergence")]
+    lines = [line for line in knobs.splitlines() if line.startswith("- ")]
+    assert lines[0].startswith("- `long_prefill_token_threshold=40`") and "goes away without it" in lines[0]
+    assert any(line.startswith("- `num_blocks=40`") and "workload size" in line for line in lines)
+
+
+def test_a_knob_of_the_spec_rule_is_named_first_without_replaying():
+    div = Divergence(3, "scheduled", [["A", 4]], [["A", 8]], "A", "BUDGET.LONG_PREFILL", "capped", context=[])
+    lines, lead = C.knob_lines({"profile": "vllm-v1", "watermark": 0.1, "long_prefill_token_threshold": 4}, div)
+    assert lead.startswith("This finding depends on the knob **`long_prefill_token_threshold=4`**")
+    assert "rule `BUDGET.LONG_PREFILL` changes with it" in lead and lines[0].startswith("- `long_prefill_token_threshold=4`")
+    plain = Divergence(3, "scheduled", [["A", 4]], [["A", 8]], "A", "RUN.DECODE", "decode", context=[])
+    lines, lead = C.knob_lines({"profile": "vllm-v1", "watermark": 0.1}, plain)
+    assert lead is None and lines == ["- `watermark=0.1` (profile `vllm-v1`: `0.0`)"]
+
+
+def test_the_replay_command_names_an_engine_every_batchspec_can_load():
+    from fuzz.replay import register_engine
+    from examples.toy_engine import ToyEngine
+
+    assert C.replay_engine_arg("gpu") == "gpu" and C.replay_engine_arg(TOY) == TOY
+    register_engine("toy-corpus-test", ToyEngine)
+    assert C.replay_engine_arg("toy-corpus-test") == TOY
+    register_engine("lambda-test", lambda trace: ToyEngine(trace))
+    assert C.replay_engine_arg("lambda-test") == "lambda-test", "no importable name: the registered one"
+
+
+def test_the_group_signature_names_the_cause_first_field():
+    from fuzz.replay import ReplayResult
+
+    reasons = [{"rule": "RUN.DECODE", "request": "A", "text": "decode"},
+               {"rule": "PREEMPT.VICTIM_NEWEST", "request": "B", "text": "newest running"}]
+    spec = [StepRecord(5, scheduled=[("A", 1)], preempted=["B"], reasons=reasons)]
+    eng = [StepRecord(5, scheduled=[("B", 1)], preempted=["A"])]
+    div = Divergence(5, "scheduled", [["A", 1]], [["B", 1]], "A", "RUN.DECODE", "decode", context=reasons)
+    trace = Trace(config={"profile": "vllm-v1"}, requests=[TraceRequest(id="A", prompt_len=4, max_tokens=2)])
+    result = ReplayResult(trace, "e", "decisions", eng, spec, div)
+    assert C.group_signature(result) == ("decision", "preempted", "PREEMPT.VICTIM_NEWEST")
+    memory = ReplayResult(trace, "e", "memory", [StepRecord(5, num_free_blocks=3)], [StepRecord(5, num_free_blocks=4)],
+                          Divergence(5, "num_free_blocks", 4, 3))
+    assert C.group_signature(memory) == ("decision", "num_free_blocks", "-")
+
+
+def test_a_campaign_merges_manifestations_of_one_bug_into_one_group(tmp_path, monkeypatch):
+    """Outcomes with different raw signatures whose shrunk divergences share a cause are one finding;
+    a later raw signature already grouped is counted there without a shrunk example."""
+    from fuzz.campaign import CampaignConfig, CampaignState, Outcome, _merge
+
+    result = lone_cap_result(monkeypatch)
+    group = ("decision", "scheduled", "ADMIT.NEW")
+    cfg = CampaignConfig(engine=TOY, corpus=str(tmp_path))
+    state = CampaignState(0, TOY, "exact")
+    outcomes = [Outcome(0, 1, {}, signature=group, raw_signature=("decision", "scheduled", "RUN.PREFILL_CHUNK"), shrunk=result),
+                Outcome(1, 2, {}, signature=group, raw_signature=group, shrunk=result),
+                Outcome(2, 3, {}, signature=("decision", "scheduled", "RUN.PREFILL_CHUNK"),
+                        raw_signature=("decision", "scheduled", "RUN.PREFILL_CHUNK"))]
+    _merge(cfg, state, outcomes)
+    assert list(state.findings) == ["decision-scheduled-admit-new"]
+    entry = state.findings["decision-scheduled-admit-new"]
+    assert entry["count"] == 3 and len(entry["raw_signatures"]) == 2
+    assert C.read_group(tmp_path, "decision-scheduled-admit-new")["count"] == 3
