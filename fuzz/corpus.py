@@ -285,7 +285,9 @@ def group_signature(result: ReplayResult) -> Signature:
             request = next(iter(sorted(set((spec or StepRecord(0)).sampled) ^ set((eng or StepRecord(0)).sampled))), None)
         else:
             request = _involved(name, a, b)
-        return (div.kind, name, _cause_rule(spec, request, name) or spec_reason(spec, request, name)[0] or "-")
+        if name in _CAUSE_FAMILIES:  # only a rule that decides this field names it (else "-", not an unrelated one)
+            return (div.kind, name, _cause_rule(spec, request, name) or "-")
+        return (div.kind, name, spec_reason(spec, request, name)[0] or "-")
     return signature(div)
 
 
