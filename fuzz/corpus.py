@@ -388,5 +388,6 @@ def log_path(corpus: str | os.PathLike, engine: str, name: str) -> Path:
 
 
 def corpus_traces(corpus: str | os.PathLike) -> list[Path]:
-    """The trace files of a corpus directory, sorted."""
-    return sorted(Path(corpus).glob("*.jsonl"))
+    """The trace files of a corpus directory, sorted: regular files only (a FIFO or a
+    directory named ``*.jsonl`` would block or fail the replay of the whole corpus)."""
+    return sorted(p for p in Path(corpus).glob("*.jsonl") if p.is_file())

@@ -997,3 +997,13 @@ if __name__ == "__main__":
     for name, n in sorted(counts.items(), key=lambda kv: -kv[1]):
         print(f"{name:28} {n:4}")
     print(f"{'total':28} {sum(counts.values()):4}")
+
+
+def test_a_corpus_directory_lists_only_regular_trace_files(tmp_path):
+    """A FIFO or a directory named like a trace is skipped, not opened (a FIFO would block the replay)."""
+    from fuzz.corpus import corpus_traces
+
+    (tmp_path / "good.jsonl").write_text(lines(HEADER, REQ))
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    (tmp_path / "dir.jsonl").mkdir()
+    assert [p.name for p in corpus_traces(tmp_path)] == ["good.jsonl"]
