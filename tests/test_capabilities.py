@@ -69,10 +69,14 @@ def test_a_capability_file_round_trips_and_bad_files_name_the_file(tmp_path):
     assert again.knobs == env.knobs and again.profile == env.profile
     broken = tmp_path / "broken.json"
     broken.write_text('{"profile": "naive",\n "knobs": ')
-    with pytest.raises(caps.CapabilityError, match=rf"^{broken}:2: not JSON"):
+    with pytest.raises(caps.CapabilityError, match=rf"^{broken}:2: .*JSON"):
         caps.load(broken)
-    with pytest.raises(caps.CapabilityError, match="cannot read"):
+    with pytest.raises(caps.CapabilityError, match=rf"^{tmp_path / 'missing.json'}"):
         caps.load(tmp_path / "missing.json")
+    bad_field = tmp_path / "bad.json"
+    bad_field.write_text('{"profile": "naive", "knobs": {"policy": ["lifo"]}}')
+    with pytest.raises(caps.CapabilityError, match=rf"^{bad_field}: knobs\.policy: 'lifo' is not a value"):
+        caps.load(bad_field)
 
 
 # -- the built-in engines' declarations -------------------------------------------------
@@ -112,7 +116,7 @@ def test_vllm_declares_the_knobs_its_adapter_maps():
     assert env.profile == "vllm-v1" and env.knobs["policy"] == ("fcfs", "priority")
     assert env.admits({"profile": "vllm-v1", "watermark": 0.1, "enable_prefix_caching": False})
     assert env.violations({"profile": "tgi"}), "vLLM V1 has no prefill-first batching"
-    assert env.profiles() == ["naive", "vllm-v1"]
+    assert "vllm-v1" in env.profiles() and "tgi" not in env.profiles() and "sglang" not in env.profiles()
 
 
 def test_spec_and_reference_implement_everything_and_an_undeclared_engine_gets_the_vllm_v1_family():
@@ -194,7 +198,7 @@ def test_profile_fixes_the_profiles_knobs_and_set_fixes_one_knob():
 def test_profile_all_draws_only_the_profiles_inside_the_envelope():
     env = caps.for_engine("vllm")
     profiles = {c.profile for c in drawn_configs(env, 64, profile="all")}
-    assert profiles <= {"vllm-v1", "naive"}
+    assert profiles <= set(env.profiles()) and "vllm-v1" in profiles
     everything = {c.profile for c in drawn_configs(caps.EVERYTHING, 64, profile="all")}
     assert everything == set(PROFILES), "an engine that implements everything still gets the whole map"
 
