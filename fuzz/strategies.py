@@ -80,9 +80,9 @@ def traces(profile: str | None = None, knobs: Mapping[str, Any] | None = None, *
         min_requests, max_requests: how many requests (1 <= min <= max).
         max_prompt_len, max_tokens, max_arrival_step: bounds on each request.
 
-    With no ``profile``, ``knobs``, ``engine`` or ``capabilities`` it draws the whole
-    scheduling map — every profile family's modes (swap, SGLang estimation, SPF, VTC,
-    priority aging) — as the spec's own property tests do.
+    With no ``profile``, ``engine`` or ``capabilities`` it draws the whole scheduling map —
+    every profile family's modes (swap, SGLang estimation, SPF, VTC, priority aging) — as
+    the spec's own property tests do (``knobs`` still fixed over it).
 
     **Shrinking** goes toward fewer requests, shorter prompts, fewer output tokens, earlier
     arrivals, the first listed value of each knob and the smallest sizes.
@@ -118,11 +118,19 @@ def traces(profile: str | None = None, knobs: Mapping[str, Any] | None = None, *
         bad += envelope.partial_violations({k: v for k, v in profile_knobs(profile).items() if k not in knobs})
     if bad:
         raise InvalidArgument(f"outside the engine's capabilities ({envelope.describe()}): {'; '.join(bad)}")
-    if profile is None and not knobs and envelope.everything:
-        config = configs()  # the whole map
+    if profile is None and envelope.everything:  # the whole map, with ``knobs`` fixed over it
+        config = configs() if not knobs else configs().map(lambda c: {**c, **knobs}).filter(_valid)
     else:
         config = _configs_inside(envelope, profile, knobs)
     return _traces(config, envelope, min_requests, max_requests, max_prompt_len, max_tokens, max_arrival_step)
+
+
+def _valid(config: dict[str, Any]) -> bool:
+    try:
+        resolve(config)
+        return True
+    except ConfigError:
+        return False
 
 
 def _envelope(engine: str | None, capabilities) -> caps.Envelope:

@@ -42,6 +42,20 @@ def test_no_arguments_draws_the_whole_map():
     assert {"fcfs", "priority", "spf", "vtc", "swap", "estimate"} <= seen
 
 
+def test_knobs_alone_are_fixed_over_the_whole_map():
+    seen = set()
+
+    @FAST
+    @given(S.traces(knobs={"enable_prefix_caching": False}))
+    def run(trace):
+        cfg = resolve(trace.config)
+        assert not cfg.enable_prefix_caching
+        seen.add(cfg.policy)
+
+    run()
+    assert len(seen) >= 3, "the rest of the map is still drawn"
+
+
 def test_an_engines_envelope_bounds_every_draw():
     envelope = caps.for_engine(TOY)
     policies = set()
