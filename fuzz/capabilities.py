@@ -208,8 +208,8 @@ class Envelope:
     def options(self, k: int, seed: int = 0, fixed: Iterable[str] = ()) -> dict[str, Any]:
         """Knob values for trace ``k`` of a campaign: the profile, and each declared knob not in
         ``fixed`` rotated through its :meth:`samples`, so that ``n`` consecutive traces take
-        all ``n`` values of a knob (each knob with its own seeded rotation, so knobs do not
-        move in lock step).  Combinations the spec refuses (aging without a priority order,
+        all ``n`` values of a knob (each block of ``n`` in its own seeded order, so knobs do not
+        move in lock step).  A workload size declared ``"any"`` is left to the generator.  Combinations the spec refuses (aging without a priority order,
         estimate admission with full reservation) are moved to the next value.  Empty for an
         engine that implements everything: the generator's own draws stay unchanged."""
         if self.everything:
