@@ -199,10 +199,10 @@ def cmd_check_log(args) -> int:
         console.print(f"[green]ok[/]: {report.steps} steps of {log.engine}'s {log.level}-level log keep every checked invariant")
         return 0
     table = Table(title=f"{len(report.violations)} violations in {args.log}")
-    for col in ("invariant", "step", "request", "evidence"):
+    for col in ("invariant", "step", "request", "field", "evidence"):
         table.add_column(col)
     for v in report.violations[: args.max_rows]:
-        table.add_row(v.invariant, str(v.step), v.request or "", v.evidence)
+        table.add_row(v.invariant, str(v.step), v.request or "", v.field or "", v.evidence)
     console.print(readable(table))
     return 1
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from invariants.log_checker import LOG_CHECKS
+from invariants.log_checker import LOG_CHECKS, LOG_STATEMENTS
 from spec.invariants import INVARIANTS, SCHEDULE_CHECKS, STATE_CHECKS
 
 
@@ -98,6 +98,9 @@ def catalogue() -> list[Entry]:
     for inv_id, (statement, bugs) in LOG_ONLY.items():
         where = ["log"] + (["hypothesis"] if inv_id == "REQ.ONE_TERMINAL_EVENT" else []) + (["z3"] if z3.get(inv_id) else [])
         entries.append(Entry(inv_id, statement, "all", bugs, tuple(where)))
+    for inv_id, statement in LOG_STATEMENTS.items():  # the log's own consistency (issue 14)
+        if inv_id not in LOG_ONLY and inv_id not in INVARIANTS:
+            entries.append(Entry(inv_id, statement, "all", (), ("log",)))
     for inv_id, (statement, profiles, bugs) in EXHAUSTIVE.items():
         entries.append(Entry(inv_id, statement, profiles, bugs, ("exhaustive",)))
     return sorted(entries, key=lambda e: e.id)
