@@ -28,6 +28,7 @@ the CLI, the conformance runner and users' adapters share one factory:
 """
 from __future__ import annotations
 
+import operator
 import sys
 import time
 import traceback
@@ -36,7 +37,7 @@ from typing import Callable
 
 from fuzz.diff import ERROR, NON_TERMINATION, Divergence, first_divergence
 from spec.config import resolve
-from spec.formats import StepRecord, Trace, TraceRequest
+from spec.formats import LEVELS, StepRecord, Trace, TraceRequest, fields_at
 from spec.protocol import Engine, arrival_order
 
 EngineFactory = Callable[[Trace], Engine]
@@ -289,6 +290,13 @@ def _limit(spec_at: int | None, eng_at: int | None, engine: str) -> Divergence |
     return Divergence(step, "termination", what(spec_at), what(eng_at), kind=NON_TERMINATION, engine=engine)
 
 
+def _same(spec: StepRecord | None, engine: StepRecord | None, fields: Callable[[StepRecord], tuple]) -> bool:
+    """Both records exist and every compared field is equal as stored: then they agree, and the
+    full comparison (:func:`fuzz.diff.first_divergence`, which also knows that an absent memory
+    field means empty and compares ``sampled`` by its keys) is not needed — the common case."""
+    return spec is not None and engine is not None and fields(spec) == fields(engine)
+
+
 def _lock_step(trace: Trace, eng, name: str, level: str, t0: float, after: int | None) -> ReplayResult:
     """Drive ``eng`` and the fed spec step by step; compare each step's records as they appear.
 
@@ -297,6 +305,9 @@ def _lock_step(trace: Trace, eng, name: str, level: str, t0: float, after: int |
     from spec.scheduler import SpecEngine
 
     max_steps = resolve(trace.config).max_steps
+    if level not in LEVELS:
+        raise ValueError(f"unknown level {level!r} (known: {', '.join(LEVELS)})")
+    names = operator.attrgetter(*fields_at(level))  # the compared fields of a record, as one tuple
     fed = FedSpec(SpecEngine.from_trace(trace), [])
     spec = Stepper(fed, trace)
     eng_recs: list[StepRecord] = []
@@ -340,9 +351,9 @@ def _lock_step(trace: Trace, eng, name: str, level: str, t0: float, after: int |
             except SideError as err:
                 found = found or _raised("spec", err, name)
                 break
-        if found is None:
-            found = first_divergence([r for r in spec_recs[-1:] if r.step == k], [e_rec] if e_rec else [], level,
-                                     engine=name)
+        s_rec = spec_recs[-1] if spec_recs and spec_recs[-1].step == k else None
+        if found is None and not _same(s_rec, e_rec, names):
+            found = first_divergence([s_rec] if s_rec else [], [e_rec] if e_rec else [], level, engine=name)
             if found is not None:
                 if after is not None:
                     stop_at = k + after
