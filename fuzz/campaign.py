@@ -9,15 +9,33 @@ and results are merged in trace order, so the same seed gives the same
 traces, the same findings and the same report whatever the worker count.
 
 Each trace runs in a worker process with a timeout.  An engine that raises
-is a finding (kind ``error``); one that hangs past the timeout, or kills its
-worker, is a finding too (kinds ``hang`` and ``crash``) and the worker is
-replaced.  A divergence is shrunk in the worker (a deterministic budget of
-replays) and saved once per signature in the corpus, with its triage report.
+inside a step is a finding (kind ``error``, with file and line); one that hangs
+past the timeout, or kills its worker, is a finding too (kinds ``hang`` and
+``crash``) and the worker is replaced.  An engine that cannot be constructed is
+not a finding: :func:`validate_options` refuses it before the campaign (exit 2).
 
-The campaign state (next trace, coverage, findings) is saved after every
-round next to the corpus, so ``--resume`` continues after Ctrl-C.  With
-``--ray ADDRESS`` the traces run as Ray tasks on an existing cluster instead
-of local processes; they share the same corpus directory.
+Reports as soon as they exist: a diverging trace is replayed only up to its
+divergence (lock step, :func:`fuzz.replay.replay`); a divergence whose raw
+signature an earlier trace already has is counted, not shrunk again (the pool
+answers the worker's question in trace order, so the answer does not depend on
+the worker count); a new finding is shrunk in the worker and saved by the
+parent the moment it arrives, not when its round ends; ``max_findings`` ends
+the campaign after that many findings; the time and traces to the first
+finding are kept in the state (``first_finding``).
+
+Failing safe: options are checked before any work (:func:`validate_options`,
+which ``batchspec fuzz`` calls); workers die with their parent whatever kills it
+(``PR_SET_PDEATHSIG`` and a watchdog thread) and ignore Ctrl-C, which the parent
+turns into one line (:class:`CampaignInterrupted`); a report writer that raises
+keeps what could be written (:func:`save_finding_safely`) and the campaign goes on.
+
+The campaign state (next round, coverage, findings) is saved after every round
+next to the corpus, so ``--resume`` continues after Ctrl-C; a state that is
+missing, corrupt, or from another campaign is refused with its field named
+(:class:`StateError`), and a resumed campaign first writes the reports that
+could not be written (:func:`complete_reports`).  With ``--ray ADDRESS`` the
+traces run as Ray tasks on an existing cluster instead of local processes;
+they share the same corpus directory.
 """
 from __future__ import annotations
 
