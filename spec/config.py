@@ -42,12 +42,28 @@ class SchedulerConfig:
     #: Hash-chained full blocks are kept after free and re-used by later
     #: requests with the same prefix (rule CACHE.*).
     enable_prefix_caching: bool = True
+    #: Where freed blocks re-enter the free queue (rules KV.FREE_ORDER, KV.FREE_TO_TAIL):
+    #: "cached-last" — blocks without a hash at the head, cached ones at the tail (vLLM);
+    #: "tail" — every freed block at the tail, so blocks are re-used first in, first out (nano-vllm).
+    free_block_order: str = "cached-last"
+    #: When a full block enters the prefix cache (rules CACHE.REGISTER_*): "allocation" — as
+    #: soon as it is allocated, before the forward pass (vLLM); "computed" — after the step
+    #: that computed it (nano-vllm's hash_blocks in postprocess).
+    cache_register: str = "allocation"
+    #: A lookup among several cached blocks with the same content finds (rule CACHE.LATEST_WINS):
+    #: "first" — the earliest cached (vLLM keeps them all); "latest" — the last registered,
+    #: which replaces the earlier one in the cache map (nano-vllm's hash -> block id dict).
+    cache_duplicates: str = "first"
 
     # --- budgets ----------------------------------------------------------
     #: Tokens scheduled per step, over all requests (rule BUDGET.TOKENS).
     max_num_batched_tokens: int = 2048
     #: Requests running at once (rule ADMIT.MAX_NUM_SEQS).
     max_num_seqs: int = 128
+    #: What max_num_seqs bounds: "running" — requests running at once (vLLM, rule
+    #: ADMIT.MAX_NUM_SEQS); "step" — requests scheduled in one step, however many run
+    #: (nano-vllm, rule BATCH.MAX_NUM_SEQS_PER_STEP).
+    max_num_seqs_scope: str = "running"
     #: Longest sequence, prompt plus output (rules REJECT.PROMPT_TOO_LONG, STOP.MAX_MODEL_LEN).
     max_model_len: int = 4096
     #: A prompt may be prefilled over several steps (rule ADMIT.NO_CHUNKING).
@@ -55,6 +71,11 @@ class SchedulerConfig:
     #: Per-request cap on tokens in one step when >1 request is eligible; 0 = off
     #: (rule BUDGET.LONG_PREFILL).
     long_prefill_token_threshold: int = 0
+    #: Which prefills may be cut by the budget: "any" — every admission may take a partial
+    #: chunk, continued by the running phase; "first-continues" — only the first request of
+    #: a prefill batch, and a cut prefill continues first in the next step, before any
+    #: admission (nano-vllm; rules ADMIT.CHUNK_ONLY_FIRST, RUN.CONTINUE_PREFILL_FIRST).
+    prefill_chunking: str = "any"
 
     # --- batching --------------------------------------------------------
     #: How a step is formed (rules BATCH.*): "continuous" — running requests first,
@@ -105,7 +126,9 @@ class SchedulerConfig:
     #: (rule ADMIT.WATERMARK).  Blocks = int(watermark * num_blocks).
     watermark: float = 0.0
     #: KV reserved at admission (rules ADMIT.RESERVE_*): "step" — blocks for the tokens
-    #: computed in this step, more as the request grows (vLLM); "full" — blocks for the
+    #: computed in this step, more as the request grows (vLLM); "sequence" — blocks for the
+    #: whole current sequence at once, even when only a chunk of it is computed now
+    #: (nano-vllm); "full" — blocks for the
     #: whole prompt + max_tokens at once, so a running request never needs more and
     #: nothing is ever preempted (Orca, TGI, TensorRT-LLM GUARANTEED_NO_EVICT).
     kv_reservation: str = "step"
@@ -182,7 +205,12 @@ def parse_weights(text: str) -> dict[str, float]:
 
 KNOB_CHOICES: dict[str, tuple[str, ...]] = {
     "batching": ("continuous", "prefill-first", "static"),
-    "kv_reservation": ("step", "full"),
+    "kv_reservation": ("step", "full", "sequence"),
+    "free_block_order": ("cached-last", "tail"),
+    "cache_register": ("allocation", "computed"),
+    "cache_duplicates": ("first", "latest"),
+    "max_num_seqs_scope": ("running", "step"),
+    "prefill_chunking": ("any", "first-continues"),
     "policy": ("fcfs", "priority", "spf", "vtc"),
     "admission": ("budget", "estimate"),
     "preemption_mode": ("recompute", "swap"),
@@ -210,6 +238,8 @@ class StepPlan:
     preempt: str
     #: Rule that puts a recomputed victim back in the waiting queue.
     requeue: str
+    #: Rule that says when the batch has no room for one more request (max_num_seqs).
+    room: str
     #: Tests a waiting request must pass, besides room in the batch and blocks, to be admitted.
     admission_checks: tuple[str, ...]
     #: Rule that sizes an admission's allocation: blocks for this step, or the whole life.
@@ -229,7 +259,8 @@ def step_plan(cfg: "SchedulerConfig") -> StepPlan:
     after_running = (("charge_vtc",) if cfg.policy == "vtc" else ()) + \
         (("update_ratio",) if cfg.admission == "estimate" else ()) + (("swap_in",) if swap else ())
     if cfg.batching == "prefill-first":
-        phases = (*(("hold_for_swapped",) if swap else ()), "schedule_waiting", "end_prefill_batch",
+        first = ("continue_prefill",) if cfg.prefill_chunking == "first-continues" else ()
+        phases = (*(("hold_for_swapped",) if swap else ()), *first, "schedule_waiting", "end_prefill_batch",
                   "schedule_running", *after_running)
     else:
         gates = (("hold_static_batch",) if cfg.batching == "static" else ()) + \
@@ -249,10 +280,12 @@ def step_plan(cfg: "SchedulerConfig") -> StepPlan:
         self_preempt="continue" if go_on else "stop",
         preempt="SWAP.OUT" if swap else "PREEMPT.RECOMPUTE",
         requeue="RETRACT.TO_TAIL" if estimate else "QUEUE.VICTIM_TO_FRONT",
+        room="BATCH.MAX_NUM_SEQS_PER_STEP" if cfg.max_num_seqs_scope == "step" else "ADMIT.MAX_NUM_SEQS",
         admission_checks=(() if cfg.enable_chunked_prefill else ("ADMIT.NO_CHUNKING",)) +
+                         (("ADMIT.CHUNK_ONLY_FIRST",) if cfg.prefill_chunking == "first-continues" else ()) +
                          (("ESTIMATE.ADMIT",) if estimate else ()),
-        reservation="ADMIT.RESERVE_FULL" if cfg.kv_reservation == "full" else
-                    "ADMIT.FULL_SEQUENCE" if cfg.scheduler_reserve_full_isl else "KV.NO_FREE_BLOCKS",
+        reservation={"full": "ADMIT.RESERVE_FULL", "sequence": "ADMIT.RESERVE_SEQUENCE"}.get(
+            cfg.kv_reservation, "ADMIT.FULL_SEQUENCE" if cfg.scheduler_reserve_full_isl else "KV.NO_FREE_BLOCKS"),
         on_schedule=("VTC.CHARGE",) if cfg.policy == "vtc" else (),
     )
 
@@ -414,8 +447,35 @@ SPF_AGING = _derived(
     policy="spf", aging_steps=1,
 )
 
+NANO_VLLM = _derived(
+    "nano-vllm", "bb823b3", "nano-vllm's Scheduler and BlockManager: a step is a prefill batch whenever the waiting head "
+    "fits (only its first request may be cut by the budget, and a cut prefill continues first), else every running "
+    "request decodes one token; max_num_seqs bounds each step's batch; admission allocates the whole sequence; "
+    "blocks are cached once computed, reused first in, first out; recompute preemption of the newest",
+    ("GeeeekExplorer/nano-vllm@bb823b3e06983d71485a8e1f23715ebd87d98ef8 nanovllm/engine/scheduler.py, "
+     "block_manager.py, sequence.py (MIT); recorded decision logs in tests/corpus/nano-vllm/ (fuzz/nanovllm_adapter.py)",),
+    {"kvcache_block_size": "256 in nano-vllm (its Config requires a multiple of 256); the scheduler and block manager "
+                           "are block-size generic for block_size >= 2, and the recorded corpus uses 2 to 256",
+     "num_kvcache_blocks": "derived from GPU memory in nano-vllm; a knob here",
+     "null block": "none: block ids 0 .. num_blocks-1 are all allocatable",
+     "prefix caching": "always on (xxhash64 chain over token ids; hashes are not compared, only hits)",
+     "max_model_len": "nano-vllm's scheduler never caps a sequence at max_model_len nor refuses a long prompt; the "
+                      "profile keeps the spec's STOP.LENGTH and REJECT.PROMPT_TOO_LONG (the corpus keeps prompt + "
+                      "max_tokens <= max_model_len)",
+     "requests that can never fit": "nano-vllm crashes (AssertionError in schedule) or stalls on them; the spec rejects "
+                                    "them at arrival (REJECT.NEVER_FITS): a recorded finding (docs/conformance.md)",
+     "decode budget": "nano-vllm's decode step ignores max_num_batched_tokens (up to max_num_seqs decodes); the spec "
+                      "keeps the budget: equal whenever max_num_seqs <= max_num_batched_tokens (a recorded finding)",
+     "stop tokens, aborts, priorities": "not in nano-vllm's scheduler (EOS and max_tokens only, FCFS)",
+     "temperature": "irrelevant: the fake model's tokens come from the trace"},
+    batching="prefill-first", prefill_chunking="first-continues", kv_reservation="sequence",
+    scheduler_reserve_full_isl=False, max_num_seqs_scope="step", free_block_order="tail", cache_register="computed",
+    cache_duplicates="latest", null_block=False, block_size=256, num_blocks=1024, max_num_batched_tokens=16384,
+    max_num_seqs=512,
+)
+
 PROFILES: dict[str, Profile] = {p.name: p for p in (VLLM_V1, NAIVE, STATIC, VLLM_V0, ORCA, TGI, VLLM_V0_SWAP, SGLANG,
-                                                    VTC, PRIORITY_AGING, SPF_AGING)}
+                                                    VTC, PRIORITY_AGING, SPF_AGING, NANO_VLLM)}
 
 
 def knob_names() -> list[str]:
@@ -484,8 +544,10 @@ def validate(cfg: SchedulerConfig) -> SchedulerConfig:
             raise ConfigError(name, f"must be >= 1, got {getattr(cfg, name)}")
     if cfg.retract_decode_steps < 0:
         raise ConfigError("retract_decode_steps", f"must be >= 0, got {cfg.retract_decode_steps}")
-    if cfg.admission == "estimate" and cfg.kv_reservation == "full":
+    if cfg.admission == "estimate" and cfg.kv_reservation != "step":
         raise ConfigError("admission", "estimate is its own reservation rule; it needs kv_reservation=step")
+    if cfg.prefill_chunking == "first-continues" and cfg.batching != "prefill-first":
+        raise ConfigError("prefill_chunking", "first-continues needs batching=prefill-first")
     return cfg
 
 

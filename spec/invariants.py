@@ -178,8 +178,12 @@ def _fcfs_sorted(eng: "SpecEngine") -> Iterator[str]:
 
 @invariant("SEQ.MAX_NUM_SEQS", bugs=("VLLM-16",))
 def _max_seqs(eng: "SpecEngine") -> Iterator[str]:
-    """At most max_num_seqs requests run at once."""
-    if len(eng.running) > eng.config.max_num_seqs:
+    """At most max_num_seqs requests run at once (under max_num_seqs_scope=step: are scheduled in one step)."""
+    if eng.config.max_num_seqs_scope == "step":
+        last = eng.previous
+        if last is not None and len(last.scheduled) > eng.config.max_num_seqs:
+            yield f"{len(last.scheduled)} scheduled in one step > max_num_seqs {eng.config.max_num_seqs}"
+    elif len(eng.running) > eng.config.max_num_seqs:
         yield f"{len(eng.running)} running > max_num_seqs {eng.config.max_num_seqs}"
 
 
@@ -313,10 +317,12 @@ def _static_no_join(eng: "SpecEngine", out: "SchedulerOutput", starved: bool) ->
 
 @invariant("BATCH.PREFILL_ONLY", profiles="batching=prefill-first (vllm-v0, tgi, sglang, vtc)")
 def _prefill_only(eng: "SpecEngine", out: "SchedulerOutput", starved: bool) -> Iterator[str]:
-    """Under prefill-first batching, a step that admits from the waiting queue runs only the admitted requests."""
+    """Under prefill-first batching, a step that admits from the waiting queue runs only the admitted requests
+    (and, under prefill_chunking=first-continues, the cut prefill it continued first)."""
     admitted = _admitted(out)
     if eng.config.batching == "prefill-first" and admitted:
-        others = [s.request_id for s in out.scheduled if s.request_id not in admitted]
+        continued = {s.request_id for s in out.scheduled[:1] if eng.config.prefill_chunking == "first-continues"}
+        others = [s.request_id for s in out.scheduled if s.request_id not in admitted and s.request_id not in continued]
         if others:
             yield f"{others} ran in a prefill batch"
 

@@ -99,6 +99,10 @@ class BlockPool:
 
     def __init__(self, cfg: SchedulerConfig):
         self.caching = cfg.enable_prefix_caching
+        if cfg.free_block_order == "tail":  # nano-vllm's free order (KV.FREE_TO_TAIL)
+            self.free_blocks = self.free_blocks_to_tail
+        if cfg.cache_duplicates == "latest":  # nano-vllm's cache map (CACHE.LATEST_WINS)
+            self.cache_full_block = self.cache_latest
         self.blocks = [KVBlock(i) for i in range(cfg.num_blocks)]
         first = 1 if cfg.null_block else 0
         self.null_block = self.blocks[0] if cfg.null_block else None
@@ -157,7 +161,7 @@ class BlockPool:
                 self.free.remove(b)
             b.ref_cnt += 1
 
-    @rule("KV.FREE_ORDER", knobs=("enable_prefix_caching",))
+    @rule("KV.FREE_ORDER", knobs=("enable_prefix_caching", "free_block_order"))
     def free_blocks(self, ordered: list[KVBlock]) -> None:
         """Freed blocks whose ref count reaches 0 re-enter the free queue.
 
@@ -175,7 +179,23 @@ class BlockPool:
         self.free.prepend_n([b for b in zero if b.block_hash is None])
         self.free.append_n([b for b in zero if b.block_hash is not None])
 
-    @rule("CACHE.REGISTER_AT_ALLOCATION", knobs=("enable_prefix_caching",))
+    @rule("KV.FREE_TO_TAIL", knobs=("free_block_order",))
+    def free_blocks_to_tail(self, ordered: list[KVBlock]) -> None:
+        """Under free_block_order="tail", every freed block whose ref count reaches 0
+        goes to the *tail* of the free queue, in the given order, cached or not.
+
+        Blocks are then re-used first in, first out: a block freed long ago is popped
+        before one freed just now (nano-vllm's deque of free block ids).  A cached block
+        keeps its hash until it is popped, as under KV.FREE_ORDER.
+        """
+        zero = []
+        for b in ordered:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                zero.append(b)
+        self.free.append_n(zero)
+
+    @rule("CACHE.REGISTER_AT_ALLOCATION", knobs=("enable_prefix_caching", "cache_register"))
     def cache_full_block(self, b: KVBlock, block_hash: bytes) -> None:
         """A full block is registered in the prefix cache as soon as it is allocated.
 
@@ -185,6 +205,20 @@ class BlockPool:
         """
         b.block_hash = block_hash
         self.cached.setdefault(block_hash, {})[b.block_id] = b
+
+    @rule("CACHE.LATEST_WINS", knobs=("cache_duplicates",))
+    def cache_latest(self, b: KVBlock, block_hash: bytes) -> None:
+        """Under cache_duplicates="latest", a block registered with a hash that another
+        block already carries replaces it in the cache map: the earlier block loses its
+        hash (it is no longer hit-able, and popping it later evicts nothing).
+
+        nano-vllm keeps one block id per hash and overwrites it; two requests that compute
+        the same prefix in one step leave the map pointing at the second one's block.
+        """
+        for old in list(self.cached.get(block_hash, {}).values()):
+            old.block_hash = None
+        self.cached[block_hash] = {b.block_id: b}
+        b.block_hash = block_hash
 
     def take_evicted(self) -> list[int]:
         out, self.evicted = self.evicted, []
@@ -227,6 +261,10 @@ ALLOC_NO_BLOCKS = declare(
 )
 
 
+def _not_yet(req: SequenceLike, num_tokens: int) -> None:
+    """cache_register="computed": nothing enters the cache at allocation (rule CACHE.REGISTER_WHEN_COMPUTED)."""
+
+
 class KVCacheManager:
     """Per-request block tables over a :class:`BlockPool` (vLLM's KVCacheManager)."""
 
@@ -236,6 +274,8 @@ class KVCacheManager:
         self.pool = BlockPool(cfg)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
+        if cfg.cache_register == "computed":  # the scheduler registers blocks after the step instead
+            self.register_allocated = _not_yet
 
     def blocks_of(self, request_id: str) -> list[KVBlock]:
         return self.req_blocks.get(request_id, [])
@@ -298,8 +338,12 @@ class KVCacheManager:
             self.num_cached_block[req.request_id] = len(hit_blocks)
         new = self.pool.get_new_blocks(need - evictable_hits) if need > evictable_hits else []
         table.extend(new)
-        self.cache_blocks(req, min(total + num_new_tokens, req.num_tokens))
+        self.register_allocated(req, min(total + num_new_tokens, req.num_tokens))
         return new
+
+    def register_allocated(self, req: SequenceLike, num_tokens: int) -> None:
+        """CACHE.REGISTER_AT_ALLOCATION: the blocks an allocation filled enter the cache at once."""
+        self.cache_blocks(req, num_tokens)
 
     @staticmethod
     def _failure(rule_id: str, need: int, watermark: int, free: int, what: str) -> AllocFailure:
@@ -320,6 +364,18 @@ class KVCacheManager:
         for i in range(start, end):
             self.pool.cache_full_block(table[i], req.block_hashes[i])
         self.num_cached_block[req.request_id] = max(start, end)
+
+    @rule("CACHE.REGISTER_WHEN_COMPUTED", knobs=("cache_register",))
+    def register_computed(self, req: SequenceLike) -> None:
+        """Under cache_register="computed", a request's blocks enter the prefix cache only
+        after the step that computed them: every block full of computed tokens, for each
+        request of the batch in batch order, before finished requests free their blocks.
+
+        A block allocated but not yet computed cannot be hit, so two requests with the same
+        prefix admitted in one step each compute their own copy (nano-vllm hashes blocks in
+        postprocess, after the forward pass).
+        """
+        self.cache_blocks(req, req.num_computed_tokens)
 
     @rule("KV.FREE_REVERSED")
     def free(self, request_id: str) -> None:

@@ -396,13 +396,28 @@ def reservation(req: Request, cfg: SchedulerConfig) -> int:
 
 
 @rule("BATCH.PREFILL_FIRST", knobs=("batching",))
-def prefill_batch_first(running: list[Request], out: SchedulerOutput) -> None:
+def prefill_batch_first(running: list[Request], out: SchedulerOutput, scheduled: dict[str, int]) -> None:
     """Under batching="prefill-first", a step that admits anybody is a prefill-only
     batch: the running requests skip it and decode again only in a step that admits
-    nobody (vLLM V0, TGI).  New requests start sooner; running ones stall meanwhile."""
+    nobody (vLLM V0, TGI).  New requests start sooner; running ones stall meanwhile.
+    Under prefill_chunking="first-continues" a step that continues a cut prefill is a
+    prefill batch too (nano-vllm)."""
     for req in running:
-        if req.request_id not in out.new and req.request_id not in out.resumed:
+        if req.request_id not in scheduled:
             out.reasons.append(reason("BATCH.PREFILL_FIRST", req.request_id, "waits: this step is a prefill batch"))
+
+
+@rule("ADMIT.RESERVE_SEQUENCE", knobs=("kv_reservation",))
+def sequence_reservation(req: Request) -> int:
+    """Under kv_reservation="sequence", admission allocates blocks for the request's whole
+    current sequence (prompt plus any outputs so far) at once, even when the budget lets
+    it compute only a chunk now; decode tokens get blocks as they come.
+
+    So a cut prefill never needs another block before it completes, and admission fails
+    (head-of-line) unless the free queue holds them all (nano-vllm's can_allocate and
+    allocate: ``num_blocks`` of the sequence minus the prefix hits already in use).
+    """
+    return req.num_tokens
 
 
 @rule("BATCH.STATIC", knobs=("batching",))
@@ -530,6 +545,33 @@ ADMIT_NO_CHUNKING = declare(
     __name__,
     knobs=("enable_chunked_prefill",),
 )
+ADMIT_CHUNK_ONLY_FIRST = declare(
+    "ADMIT.CHUNK_ONLY_FIRST",
+    """Under prefill_chunking="first-continues", only the first request of a step's prefill
+    batch may be cut by the token budget: a later request whose tokens (after its prefix
+    hit) exceed what is left of the budget stops admission (head-of-line), as nano-vllm's
+    "only allow chunked prefill for the first seq" does.""",
+    __name__,
+    knobs=("prefill_chunking",),
+)
+RUN_CONTINUE_PREFILL = declare(
+    "RUN.CONTINUE_PREFILL_FIRST",
+    """Under prefill_chunking="first-continues", a prefill cut by the budget in the previous
+    step is continued first, before any admission: it takes the tokens it still lacks, cut
+    to the budget, and the step is a prefill batch (nano-vllm keeps the cut request at the
+    head of its waiting queue, holding its blocks).""",
+    __name__,
+    knobs=("prefill_chunking",),
+)
+BATCH_SEQS_PER_STEP = declare(
+    "BATCH.MAX_NUM_SEQS_PER_STEP",
+    """Under max_num_seqs_scope="step", max_num_seqs bounds the requests scheduled in one
+    step, not the requests running: a prefill batch admits at most max_num_seqs requests
+    (a continued prefill counts), and a decode step serves the first max_num_seqs running
+    requests while the rest wait, neither scheduled nor preempted (nano-vllm).""",
+    __name__,
+    knobs=("max_num_seqs", "max_num_seqs_scope"),
+)
 ADMIT_NEW = declare("ADMIT.NEW", "A waiting request that fits is admitted and joins the running list's tail.", __name__)
 ADMIT_RESUMED = declare(
     "ADMIT.RESUMED", "A preempted request that fits is resumed: it recomputes prompt and outputs.", __name__
@@ -607,6 +649,7 @@ class SpecEngine:
         self.rejected: dict[str, str] = {}
         self._fed: dict[str, int] | None = None
         self._last: SchedulerOutput | None = None
+        self.previous: SchedulerOutput | None = None  # the last step's decisions
         self._begin_step()
 
     def _now(self) -> int:
@@ -617,16 +660,21 @@ class SpecEngine:
         self.plan = plan
         by_phase = {getattr(m, "phase_name", None): name for name, m in vars(SpecEngine).items()}
         self.phases = [getattr(self, by_phase[p]) for p in plan.phases]
-        checks = {"ADMIT.NO_CHUNKING": self._check_no_chunking, "ESTIMATE.ADMIT": self._check_estimate}
+        checks = {"ADMIT.NO_CHUNKING": self._check_no_chunking, "ADMIT.CHUNK_ONLY_FIRST": self._check_chunk_only_first,
+                  "ESTIMATE.ADMIT": self._check_estimate}
         self.admission_checks = [checks[c] for c in plan.admission_checks]
-        self.allocate_admission = self._allocate_reserved if plan.reservation == "ADMIT.RESERVE_FULL" \
-            else self._allocate_step
+        self.seqs_full = self._step_full if plan.room == "BATCH.MAX_NUM_SEQS_PER_STEP" else self._running_full
+        self.allocate_admission = {"ADMIT.RESERVE_FULL": self._allocate_reserved,
+                                   "ADMIT.RESERVE_SEQUENCE": self._allocate_sequence}.get(plan.reservation,
+                                                                                           self._allocate_step)
         self.free_victim = self._preempt_by_swap if plan.preempt == "SWAP.OUT" else self._preempt_by_recompute
         self.requeue = self._requeue_tail if plan.requeue == "RETRACT.TO_TAIL" else self.waiting.prepend
         self.on_schedule = [self._charge] if "VTC.CHARGE" in plan.on_schedule else []
         estimate = self.config.admission == "estimate"
         #: run when a step ends or an abort leaves the engine (the ratio's reset when idle)
         self.on_idle = [self._reset_ratio] if estimate else []
+        #: run on each step's batch once it is computed (CACHE.REGISTER_WHEN_COMPUTED)
+        self.on_computed = [self._register_computed] if self.config.cache_register == "computed" else []
         #: record fields only some configurations have
         self.record_extras = ([self._record_cpu_pool] if plan.preempt == "SWAP.OUT" else []) + \
             ([self._record_ratio] if estimate else [])
@@ -752,6 +800,26 @@ class SpecEngine:
         st.ran = bool(self.running)
         st.budget = self._schedule_running(st.out, st.scheduled, st.budget, st.cap)
 
+    @phase("continue_prefill")
+    def _phase_continue_prefill(self, st: StepState) -> None:
+        """A prefill the budget cut in the previous step continues first, before any
+        admission (RUN.CONTINUE_PREFILL_FIRST); its blocks were reserved at admission."""
+        for rid in self.cut_prefills():
+            req = self.requests[rid]
+            n = chunk_size(req.num_tokens - req.num_computed_tokens, st.cap, st.budget)
+            self.kv.allocate_slots(req, n)  # ADMIT.RESERVE_SEQUENCE: allocates nothing new
+            st.scheduled[rid] = n
+            st.budget -= n
+            st.out.reasons.append(reason(RUN_CONTINUE_PREFILL, rid, f"{n} tokens ({st.budget} left)"))
+
+    def cut_prefills(self) -> list[str]:
+        """Running requests whose prefill the previous step cut (they sampled nothing)."""
+        prev = self.previous
+        if prev is None:
+            return []
+        return [s.request_id for s in prev.scheduled
+                if not s.samples and self.requests[s.request_id].status == Status.RUNNING]
+
     @phase("hold_after_preempt")
     def _phase_hold_after_preempt(self, st: StepState) -> None:
         """A step that preempted admits nobody (ADMIT.NONE_AFTER_PREEMPT)."""
@@ -791,8 +859,8 @@ class SpecEngine:
     def _phase_end_prefill_batch(self, st: StepState) -> None:
         """Prefill-first: a step that admitted anybody is a prefill-only batch and ends
         here; the running requests wait for a step that admits nobody (BATCH.PREFILL_FIRST)."""
-        if st.out.new or st.out.resumed:
-            prefill_batch_first(self.running, st.out)
+        if st.scheduled:
+            prefill_batch_first(self.running, st.out, st.scheduled)
             st.step_ends = True
 
     @phase("charge_vtc")
@@ -841,7 +909,8 @@ class SpecEngine:
         """Walk the running list in order, preempting when blocks run out; return the budget left."""
         cfg = self.config
         i = 0
-        while i < len(self.running) and budget > 0:
+        # max_num_seqs never binds here when it bounds the running list (rule BATCH.MAX_NUM_SEQS_PER_STEP)
+        while i < len(self.running) and budget > 0 and len(scheduled) < cfg.max_num_seqs:
             req = self.running[i]
             n = chunk_size(req.num_tokens - req.num_computed_tokens, cap, budget)
             n = model_len_cap(n, req.num_computed_tokens, cfg)
@@ -876,23 +945,35 @@ class SpecEngine:
                 kind = RUN_DECODE if req.num_computed_tokens + n >= req.num_tokens and n == 1 else RUN_PREFILL
                 out.reasons.append(reason(kind, req.request_id, f"{n} tokens ({budget} left)"))
             i += 1
-        if budget == 0 and self.record_reasons:
+        if i < len(self.running) and self.record_reasons:
+            why = (BUDGET_EXHAUSTED, "token budget spent") if budget == 0 else (BATCH_SEQS_PER_STEP, "max_num_seqs scheduled")
             for req in self.running[i:]:
                 if req.request_id not in scheduled:
-                    out.reasons.append(reason(BUDGET_EXHAUSTED, req.request_id, "not reached: token budget spent"))
+                    out.reasons.append(reason(why[0], req.request_id, f"not reached: {why[1]}"))
         return budget
 
-    def _no_room_to_join(self, out: SchedulerOutput, rid: str, budget: int, what: str) -> bool:
+    def _no_room_to_join(self, st: StepState, rid: str, budget: int, what: str) -> bool:
         """Nothing more joins the batch this step once the token budget is spent
-        (BUDGET.EXHAUSTED) or max_num_seqs requests run (ADMIT.MAX_NUM_SEQS); the
+        (BUDGET.EXHAUSTED) or max_num_seqs is reached (the plan's room rule); the
         reason is recorded against ``rid``, the request that was next in line."""
         if budget <= 0:
-            out.reasons.append(reason(BUDGET_EXHAUSTED, rid, f"{what}: token budget spent"))
+            st.out.reasons.append(reason(BUDGET_EXHAUSTED, rid, f"{what}: token budget spent"))
             return True
-        if len(self.running) >= self.config.max_num_seqs:
-            out.reasons.append(reason(ADMIT_MAX_SEQS, rid, f"{len(self.running)} running = max_num_seqs"))
+        full = self.seqs_full(st)
+        if full:
+            st.out.reasons.append(reason(self.plan.room, rid, full))
             return True
         return False
+
+    def _running_full(self, st: StepState) -> str | None:
+        """ADMIT.MAX_NUM_SEQS: max_num_seqs requests are running."""
+        n = len(self.running)
+        return f"{n} running = max_num_seqs" if n >= self.config.max_num_seqs else None
+
+    def _step_full(self, st: StepState) -> str | None:
+        """BATCH.MAX_NUM_SEQS_PER_STEP: max_num_seqs requests are scheduled in this step."""
+        n = len(st.scheduled)
+        return f"{n} scheduled in this step = max_num_seqs" if n >= self.config.max_num_seqs else None
 
     def _schedule_waiting(self, st: StepState) -> int:
         """Admit from the head of the waiting queue while everything fits; return the budget left."""
@@ -900,7 +981,7 @@ class SpecEngine:
         while len(self.waiting):
             req = self.waiting.peek()
             rid = req.request_id
-            if self._no_room_to_join(out, rid, budget, "head not admitted"):
+            if self._no_room_to_join(st, rid, budget, "head not admitted"):
                 break
             hit_blocks, hit = self.kv.get_computed_blocks(req)
             remaining = req.num_tokens - hit
@@ -938,6 +1019,14 @@ class SpecEngine:
             return False
         return True
 
+    def _check_chunk_only_first(self, st: StepState, req: Request, remaining: int, budget: int) -> bool:
+        """ADMIT.CHUNK_ONLY_FIRST: a request after the first of the batch must fit the budget whole."""
+        if st.scheduled and remaining > budget:
+            st.out.reasons.append(reason(ADMIT_CHUNK_ONLY_FIRST, req.request_id,
+                                         f"needs {remaining} tokens at once behind the batch's first, budget {budget}"))
+            return False
+        return True
+
     def _check_estimate(self, st: StepState, req: Request, remaining: int, budget: int) -> bool:
         """ESTIMATE.ADMIT: SGLang's rem_total_tokens test, ``rem`` fixed when the round's
         first head reaches it and charged by every admission after."""
@@ -969,13 +1058,18 @@ class SpecEngine:
         return self.kv.allocate_slots(req, n, hit_blocks, hit, cfg.scheduler_reserve_full_isl and not reserve,
                                       watermark, reserve)
 
+    def _allocate_sequence(self, req: Request, n: int, hit_blocks: list, hit: int):
+        """ADMIT.RESERVE_SEQUENCE: blocks for the whole current sequence at once."""
+        watermark = self.config.watermark_blocks if self.running else 0
+        return self.kv.allocate_slots(req, n, hit_blocks, hit, False, watermark, sequence_reservation(req))
+
     def _schedule_swapped(self, st: StepState) -> int:
         """Swap-ins (rule SWAP.IN): resume swapped requests in order while they fit; return the budget left."""
         cfg, out, budget = self.config, st.out, st.budget
         while self.swapped:
             req = self.swapped[0]
             rid = req.request_id
-            if self._no_room_to_join(out, rid, budget, "not swapped in"):
+            if self._no_room_to_join(st, rid, budget, "not swapped in"):
                 break
             n = chunk_size(req.num_tokens - req.num_computed_tokens, st.cap, budget)
             n = model_len_cap(n, req.num_computed_tokens, cfg)
@@ -1056,6 +1150,9 @@ class SpecEngine:
         if out is None:
             raise RuntimeError("update_from_output() before schedule()")
         self._last = None
+        self.previous = out
+        for hook in self.on_computed:
+            hook(out)
         finished: list[tuple[str, str]] = []
         took: dict[str, int] = {}
         for s in out.scheduled:
@@ -1080,6 +1177,10 @@ class SpecEngine:
             invariants.check_state(self)
         self._begin_step()
         return record
+
+    def _register_computed(self, out: SchedulerOutput) -> None:
+        for s in out.scheduled:
+            self.kv.register_computed(self.requests[s.request_id])
 
     def _when_idle(self) -> None:
         if self.on_idle and not self.has_unfinished_requests():

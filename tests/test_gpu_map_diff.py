@@ -33,6 +33,10 @@ MAP_PROFILES = ("naive", "static", "vllm-v0", "orca", "tgi", "priority-aging", "
                 "sglang")
 MAX_STEPS = 3000
 
+#: Profiles whose knobs gpu_engine does not implement yet: nano-vllm's (free_block_order, cache_register,
+#: cache_duplicates, kv_reservation=sequence, max_num_seqs_scope, prefill_chunking; issue #16, item 5).
+NOT_YET_IN_GPU_ENGINE = ("nano-vllm",)
+
 #: Rules each profile's traces must exercise (fired in the spec, counted by spec.rules.HITS).
 MUST_FIRE = {
     "naive": ("ADMIT.MAX_NUM_SEQS",),
@@ -129,6 +133,10 @@ def test_unimplemented_knob_values_are_refused():
     a value outside a supported knob's set is refused by name."""
     check_supported(SchedulerConfig())
     for p in PROFILES.values():
+        if p.name in NOT_YET_IN_GPU_ENGINE:  # refused by name until implemented (issue #16, item 5)
+            with pytest.raises(ValueError, match="gpu_engine does not implement"):
+                check_supported(p.config)
+            continue
         check_supported(p.config)
     with pytest.raises(ValueError, match="policy"):
         check_supported(dataclasses.replace(SchedulerConfig(), policy="no-such-policy"))
