@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from spec.config import PROFILES  # noqa: E402
 from spec.formats import Trace, TraceRequest  # noqa: E402
 from spec.protocol import StepLimitError, drive  # noqa: E402
 from spec.scheduler import SpecEngine  # noqa: E402
@@ -48,6 +49,8 @@ def traces(profile: str, n: int, seed: int) -> list[Trace]:
         cfg = {"profile": profile, "num_blocks": rng.randint(6, 24), "block_size": rng.choice([2, 4]),
                "max_num_batched_tokens": rng.choice([8, 16, 32]), "max_num_seqs": rng.choice([2, 4, 8]),
                "max_model_len": 64, "max_steps": 2000}
+        if not PROFILES[profile].config.enable_chunked_prefill:  # the whole prompt must fit one step
+            cfg["max_num_batched_tokens"] = cfg["max_model_len"]
         reqs = []
         for i in range(rng.randint(2, 8)):
             group = rng.choice([None, "g0", "g1"])
