@@ -46,6 +46,7 @@ import math
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -251,16 +252,23 @@ def _worker(conn, parent_pid: int) -> None:
 
     def on_detect(sig) -> bool:  # ask the pool whether an earlier trace already reports this signature
         conn.send(("diverged", sig))
-        return conn.recv()
+        answer = conn.recv()
+        if not isinstance(answer, bool):  # the pool is closing (Ctrl-C): leave quietly
+            os._exit(0)
+        return answer
 
     while True:
         try:
             task = conn.recv()
-        except (EOFError, OSError):
+            if task is None:
+                return
+            outcome = run_task(task, on_detect=on_detect)
+            try:
+                conn.send(("done", outcome))
+            except (pickle.PicklingError, TypeError, AttributeError) as e:  # an engine's record that cannot travel
+                conn.send(("done", Outcome(task.index, task.seed, task.options, error=f"outcome not picklable: {e}")))
+        except (EOFError, OSError):  # the parent is gone or closing: no traceback, nothing to report to
             return
-        if task is None:
-            return
-        conn.send(("done", run_task(task, on_detect=on_detect)))
 
 
 @dataclass
