@@ -138,6 +138,9 @@ class NanoVllmEngine:
     """nano-vllm's ``Scheduler`` as an engine of the protocol (see the module docstring)."""
 
     name = "nano-vllm"
+    #: Its envelope for campaigns (fuzz.capabilities): the nano-vllm profile, blocks of 2 to 256
+    #: tokens.  Traces with aborts or stop tokens are still refused (EngineConfigError).
+    capabilities = {"profile": "nano-vllm", "knobs": {"block_size": [2, 4, 8, 16, 256]}}
 
     def __init__(self, trace: Trace, path: str | os.PathLike | None = None):
         m = nanovllm_modules(path)
