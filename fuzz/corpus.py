@@ -262,7 +262,9 @@ def group_signature(result: ReplayResult) -> Signature:
     with the *cause-first* field of the divergent step (:data:`CAUSE_ORDER`) and the spec's rule for
     it — a wrong victim shows as ``preempted`` / ``PREEMPT.VICTIM_NEWEST`` whether the request it
     leaves running was decoding or prefilling (``RUN.DECODE`` / ``RUN.PREFILL_CHUNK`` in ``scheduled``).
-    Memory-only divergences keep their field."""
+    A memory-only divergence keeps its field, without a rule: the spec's rule for the request
+    involved says what the request did in that step (``ADMIT.NEW``, ``RUN.PREFILL_CHUNK``), which is
+    as incidental to a block-accounting bug as its id."""
     from fuzz.diff import DECISION, _involved, _value, spec_reason
     from fuzz.shrink import signature
     from spec.formats import StepRecord, fields_at
@@ -288,7 +290,14 @@ def group_signature(result: ReplayResult) -> Signature:
         if name in _CAUSE_FAMILIES:  # only a rule that decides this field names it (else "-", not an unrelated one)
             return (div.kind, name, _cause_rule(spec, request, name) or "-")
         return (div.kind, name, spec_reason(spec, request, name)[0] or "-")
+    if div.field in _MEMORY_FIELDS:
+        return (div.kind, div.field, "-")
     return signature(div)
+
+
+#: Fields of the ``memory`` and ``exact`` levels (block accounting and identity).
+_MEMORY_FIELDS = ("num_free_blocks", "blocks", "cache_hits", "num_evicted", "num_free_cpu_blocks", "new_token_ratio",
+                  "block_ids", "evicted")
 
 
 #: Rule families that decide each cause field, best first (retraction is SGLang's preemption).

@@ -143,6 +143,9 @@ def test_the_group_signature_names_the_cause_first_field():
     memory = ReplayResult(trace, "e", "memory", [StepRecord(5, num_free_blocks=3)], [StepRecord(5, num_free_blocks=4)],
                           Divergence(5, "num_free_blocks", 4, 3))
     assert C.group_signature(memory) == ("decision", "num_free_blocks", "-")
+    ids = ReplayResult(trace, "e", "exact", [StepRecord(5, block_ids={"A": [2]})], [StepRecord(5, block_ids={"A": [1]})],
+                       Divergence(5, "block_ids", {"A": [1]}, {"A": [2]}, "A", "RUN.PREFILL_CHUNK"))
+    assert C.group_signature(ids) == ("decision", "block_ids", "-"), "the request's role is incidental to a block bug"
 
 
 def test_a_campaign_merges_manifestations_of_one_bug_into_one_group(tmp_path, monkeypatch):
