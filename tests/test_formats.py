@@ -139,3 +139,40 @@ def test_log_write_is_atomic(tmp_path):
         write_log(DecisionLog("spec", "exact", [Boom()]), target)  # type: ignore[list-item]
     assert target.read_text() == "previous\n"
     assert [p.name for p in tmp_path.iterdir()] == ["log.jsonl"]
+
+
+def test_compiled_schema_checker_agrees_with_jsonschema(tmp_path):
+    """spec.schemacheck (the fast path) accepts and refuses exactly what jsonschema does, on valid
+    lines and on every single-field corruption of them (the schemas stay the single source of truth)."""
+    from spec.io import _fast_check, _validator
+    from spec.schemacheck import SchemaError
+
+    trace = load_trace(write_lines(tmp_path / "t.jsonl", HEADER, GOOD, {**GOOD, "id": "b", "prompt_len": 40, "priority": 1,
+                                                                          "prefix_group": "g", "prefix_len": 4, "tenant": "t"}))
+    records = run(trace)
+    samples = {
+        "trace-header": [HEADER, {**HEADER, "vocab_size": 100, "eos_token_id": 2, "name": "n"}],
+        "trace-request": [r.to_json() for r in trace.requests] + [{**GOOD, "prompt": [5, 6]}],
+        "log-header": [DecisionLog("spec", "exact", records, trace="t.jsonl", config=HEADER["config"]).header_json()],
+        "log-record": [r.to_json("exact") for r in records],
+    }
+    weird = [None, True, 0, -1, 1.5, 10.0, "", "x", "a\u0001", "y" * 300, [], [1], [["a", 1]], [["a", "eos"]], {}, {"a": 1},
+             {"a\u0002": 1}, {"a": [1, -1]}, [{"rule": "R", "text": "t"}], [{"rule": "R"}]]
+    checked = 0
+    for name, objs in samples.items():
+        fast, slow = _fast_check(name), _validator(name)
+        for obj in objs:
+            variants = [obj, {**obj, "unknown_field": 1}] + [{k: v for k, v in obj.items() if k != key} for key in obj]
+            variants += [{**obj, key: value} for key in obj for value in weird]
+            if name == "trace-header":
+                variants += [{**obj, "config": {**obj["config"], knob: value}} for knob in knob_names() for value in weird[:8]]
+            for variant in variants:
+                try:
+                    fast(variant, ())
+                    fast_ok = True
+                except SchemaError:
+                    fast_ok = False
+                slow_ok = not any(True for _ in slow.iter_errors(variant))
+                assert fast_ok == slow_ok, (name, variant)
+                checked += 1
+    assert checked > 2000
