@@ -294,6 +294,7 @@ def corpus_trace(seed: int, kind: str | None = None, never_fits: bool = False) -
         if rng.random() < 0.5:  # or a prompt that alone needs more blocks than the pool
             big["prompt_len"], big["max_tokens"] = blocks * bs + 1 + rng.randint(0, bs), 1 + rng.randint(0, 3)
         reqs.insert(rng.randint(0, len(reqs)), big)
+    reqs.sort(key=lambda r: r["arrival_step"])  # a trace file lists requests in arrival order
     max_len = max(4096, max(r["prompt_len"] + r["max_tokens"] for r in reqs))
     config = {"profile": "nano-vllm", "block_size": bs, "num_blocks": blocks, "max_num_batched_tokens": budget,
               "max_num_seqs": seqs, "max_model_len": max_len, "max_steps": 2000}
