@@ -1,11 +1,21 @@
-"""Reading and writing traces and decision logs.
+"""Reading and writing traces and decision logs, and checking every input a command takes.
 
-Input files are data: they are parsed as JSON and validated against the
-shipped JSON Schemas (``spec/schemas/``), then checked for what a schema
-cannot say (duplicate ids, arrival order, token ids inside the vocabulary,
-size limits).  Every problem is reported as ``FILE:LINE: FIELD: PROBLEM``.
+Input files are data.  Before a byte is read, the path must be a regular file
+(a directory is refused; a FIFO is refused without opening it, which would
+block) under a size limit.  Lines are then streamed: each is bounded
+(``line_bytes``), its nesting measured before parsing (``json_depth``), and
+parsed strictly (NaN, Infinity, integers beyond ``int_abs`` and duplicate keys
+are refused, naming the field).  Each line is validated against the shipped
+JSON Schemas (``spec/schemas/``; an integer field takes no ``10.0`` and no
+``true``), then checked for what a schema cannot say (duplicate ids, arrival
+order, token ids inside the vocabulary, the ``LIMITS`` of
+:mod:`spec.formats`).  Every problem is one :class:`FormatError`,
+``FILE:LINE: FIELD: PROBLEM``; a bad option value is an :class:`OptionError`,
+``OPTION: PROBLEM``.
+
 Writes go to a temporary file that is renamed into place, so a failed or
-interrupted write never leaves half a file.
+interrupted write never leaves half a file; :func:`check_outputs` refuses,
+before any work, an output path that is one of the command's inputs.
 """
 from __future__ import annotations
 
@@ -90,8 +100,7 @@ def open_input(path: str | os.PathLike, limit: str, limit_bytes: int | None = No
 # Strict JSON: no NaN / Infinity, no huge integers, no duplicate keys, bounded nesting.
 # --------------------------------------------------------------------------
 
-#: A JSON string token or one bracket; used to measure nesting before parsing (deep
-#: nesting makes every recursive consumer of the parsed value fail).
+#: Digits of the largest integer an input may hold (longer literals are refused unparsed).
 _INT_DIGITS = len(str(LIMITS["int_abs"]))
 
 
@@ -110,6 +119,8 @@ class _BadNumber:
         self.text, self.problem = text, problem
 
 
+#: A JSON string, removed before nesting is measured (its brackets are text).  Deep nesting
+#: would make every recursive consumer of the parsed value fail, so it is refused unparsed.
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _LONG_DIGITS = re.compile(rb"[0-9]{%d,}" % len(str(LIMITS["int_abs"])))
