@@ -132,3 +132,13 @@ def test_findings_are_listed_in_the_conformance_doc():
     doc = (Path(__file__).parents[1] / "docs" / "conformance.md").read_text()
     for name in FINDINGS:
         assert f"tests/corpus/nano-vllm/findings/{name}.jsonl" in doc
+
+
+def test_corpus_traces_are_valid_trace_files(tmp_path):
+    """Each corpus trace, written out, loads with the trace reader's checks (arrival order, limits)."""
+    from spec.io import write_trace
+
+    for trace, _, _ in entries("corpus.jsonl") + entries("never-fits.jsonl"):
+        path = tmp_path / "t.jsonl"
+        write_trace(trace, path)
+        assert [r.id for r in load_trace(path).requests] == [r.id for r in trace.requests]
