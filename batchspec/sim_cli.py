@@ -132,6 +132,12 @@ def _add_sim_args(p) -> None:
     p.add_argument("--slo", default={}, type=_slo_arg, metavar="ttft=S,tpot=S,e2e=S",
                    help="goodput SLOs in seconds, e.g. ttft=2,tpot=0.1,e2e=30")
     p.add_argument("--json", metavar="FILE", help="write the metrics as JSON to this file")
+    p.add_argument("--engine", choices=("spec", "gpu"), default="spec",
+                   help="whose decisions to simulate: the spec's (default) or gpu_engine's (scheduler-only, "
+                        "several times faster: decode spans in closed form)")
+    p.add_argument("--check-engine", choices=("sampled", "full", "off"), default="sampled",
+                   help="with --engine gpu, compare its decisions with the spec's: sampled (default: the first "
+                        "1000 arrivals; in a sweep at the lowest and highest rate), full (every run, whole), off")
 
 
 def _import_options(args, rate_default: float | None = None):
@@ -246,6 +252,11 @@ def _guarded(fn):
         except StallError as e:  # the engine stopped making progress: a finding, not bad input
             err_console.print(f"[red]error:[/] {e}", highlight=False)
             return 1
+        except RuntimeError as e:  # --engine gpu differs from the spec (fuzz.sim_engine.EngineMismatch): a finding
+            if type(e).__name__ != "EngineMismatch":
+                raise
+            err_console.print(f"[red]error:[/] {e}", highlight=False)
+            return 1
         except (ValueError, KeyError) as e:
             from spec.io import FormatError
 
@@ -344,8 +355,9 @@ def _progress(label: str):
                     TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console, transient=True)
 
 
-def _simulate_with_progress(trace, config, cost, label: str, keep_records: int = 0):
-    from fuzz.sweep import run_one
+def _simulate_with_progress(trace, config, cost, label: str, keep_records: int = 0, engine: str = "spec",
+                            check_engine: str = "off"):
+    from fuzz.sweep import check, run_one
 
     with _progress(label) as bar:
         task = bar.add_task(label, total=len(trace.requests), info="")
@@ -354,7 +366,12 @@ def _simulate_with_progress(trace, config, cost, label: str, keep_records: int =
             if result.steps % 2000 == 0:
                 bar.update(task, completed=_arrived_done(result), info=f"step {result.steps:,}, t={result.end_ns / 1e9:,.0f} s")
 
-        return run_one(trace, config, cost, keep_records=keep_records, on_step=on_step)
+        result = run_one(trace, config, cost, keep_records=keep_records, on_step=on_step, engine=engine)
+    if engine == "gpu" and check_engine != "off":
+        steps = check(trace, config, cost, result, check_engine)
+        err_console.print(f"[dim]{label}: gpu_engine's decisions equal the spec's ({check_engine} check, "
+                          f"{steps:,} steps compared)[/]", highlight=False)
+    return result
 
 
 def _arrived_done(result) -> int:
@@ -391,7 +408,8 @@ def cmd_simulate(args) -> int:
     spec = parse_profile_spec(args.profile) if args.profile else None
     config = run_config(trace, spec, cost, args.overrides)
     label = spec.text if spec else config.profile
-    result = _simulate_with_progress(trace, config, cost, label, keep_records=args.timeline_start + args.timeline_steps if args.timeline else 0)
+    result = _simulate_with_progress(trace, config, cost, label, keep_records=args.timeline_start + args.timeline_steps if args.timeline else 0,
+                                     engine=args.engine, check_engine=args.check_engine)
     m = summarize(result, _slos(args.slo))
     console.print(metrics_table({label: m}, f"{Path(args.trace).name} — {label} — cost model {cost.name}"))
     if args.json:  # before the plots: a plotting error never loses the metrics
@@ -419,7 +437,7 @@ def cmd_compare(args) -> int:
         except UnknownProfile as e:
             err_console.print(f"[yellow]skipped[/] {text}: {e}", highlight=False)
             continue
-        results[text] = _simulate_with_progress(trace, config, cost, text)
+        results[text] = _simulate_with_progress(trace, config, cost, text, engine=args.engine, check_engine=args.check_engine)
         metrics[text] = summarize(results[text], slos)
     if not metrics:
         err_console.print("[red]error:[/] no profile could be simulated")
@@ -452,7 +470,8 @@ def cmd_sweep(args) -> int:
             bar.update(task, advance=len(set(rates)) if p.error and math.isnan(p.rate) else 1, info=f"{p.profile} @ {what}")
 
         points = sweep(trace, specs, rates, cost, overrides=overrides, slos=slos, jobs=args.jobs or os.cpu_count() or 1,
-                       stop_after_unbounded=None if args.all_rates else 1, on_point=on_point)
+                       stop_after_unbounded=None if args.all_rates else 1, on_point=on_point,
+                       engine=args.engine, check_engine=args.check_engine)
     wall = time.perf_counter() - t0
     for p in points:
         if p.error and math.isnan(p.rate):
@@ -497,6 +516,9 @@ def cmd_sweep(args) -> int:
     cpu = sum(p.cpu_s for p in points)
     runs = sum(1 for p in points if p.metrics is not None)
     console.print(f"{runs} simulations in {wall:,.0f} s wall ({cpu:,.0f} s of simulation CPU time, {args.jobs or os.cpu_count()} workers)")
+    if args.engine == "gpu" and args.check_engine != "off":
+        checked = sum(p.checked_steps for p in points)
+        console.print(f"gpu_engine's decisions equal the spec's on the {checked:,} steps compared ({args.check_engine} check)")
     if args.json:  # before the plots: a plotting error never loses the points
         _write_json(args.json, {"trace": args.trace, "cost_model": cost.to_json(), "slo_ttft": args.slo_ttft,
                                 "points": points, "capacity": caps})

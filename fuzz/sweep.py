@@ -122,13 +122,34 @@ def load_cost_model(name_or_path: str) -> CostModel:
 
 
 def run_one(trace: Trace, config: SchedulerConfig, cost: CostModel, keep_records: int = 0,
-            on_step: Callable[[SimResult], None] | None = None) -> SimResult:
-    """One simulation with the fast engine settings and this process's prompt cache."""
+            on_step: Callable[[SimResult], None] | None = None, engine: str = "spec") -> SimResult:
+    """One simulation with the fast engine settings and this process's prompt cache.
+
+    ``engine="gpu"``: gpu_engine's decisions instead of the spec's
+    (:func:`fuzz.sim_engine.run_gpu`; check them with :func:`check`)."""
+    if engine == "gpu":
+        from fuzz.sim_engine import run_gpu
+
+        return run_gpu(trace, config, cost, keep_records=keep_records, on_step=on_step)
+    if engine != "spec":
+        raise ValueError(f"unknown simulation engine {engine!r} (spec or gpu)")
     from spec.scheduler import SpecEngine
 
     engine = SpecEngine(config, trace.vocab_size, trace.eos_token_id, record_level="memory",
                         record_reasons=False, prompt_cache=_PROMPT_CACHE)
     return simulate(trace, cost, engine, keep_records=keep_records, on_step=on_step)
+
+
+def check(trace: Trace, config: SchedulerConfig, cost: CostModel, result: SimResult, mode: str) -> int:
+    """``--check-engine``: compare a gpu_engine run with the spec's on the same input; raise
+    :class:`fuzz.sim_engine.EngineMismatch` on the first difference, return the steps compared.
+    ``full``: the whole run (the spec re-simulates it); ``sampled``: the first
+    :data:`~fuzz.sim_engine.CHECK_REQUESTS` arrivals; ``off``: nothing (0)."""
+    from fuzz.sim_engine import CHECK_REQUESTS, check_run
+
+    if mode == "off":
+        return 0
+    return check_run(trace, config, cost, None if mode == "full" else CHECK_REQUESTS, gpu_result=result)
 
 
 def with_arrival_times(trace: Trace) -> Trace:
@@ -158,6 +179,7 @@ class SweepPoint:
     error: str | None = None
     skipped: str | None = None
     cpu_s: float = 0.0
+    checked_steps: int = 0  # steps on which gpu_engine's decisions were compared with the spec's
 
 
 @dataclass
@@ -174,18 +196,21 @@ class Capacity:
 
 
 def _sweep_job(trace: Trace, spec: ProfileSpec, rate: float, cost: CostModel, overrides: dict[str, Any],
-               slos: dict[str, float]) -> tuple[Metrics, float]:
+               slos: dict[str, float], engine: str = "spec", check_mode: str = "off") -> tuple[Metrics, float, int]:
     import time
 
     t0 = time.process_time()
     config = run_config(trace, spec, cost, overrides)
-    result = run_one(scale_to_rate(trace, rate), config, cost)
-    return summarize(result, slos), time.process_time() - t0
+    scaled = scale_to_rate(trace, rate)
+    result = run_one(scaled, config, cost, engine=engine)
+    checked = check(scaled, config, cost, result, check_mode) if engine == "gpu" else 0
+    return summarize(result, slos), time.process_time() - t0, checked
 
 
 def sweep(trace: Trace, specs: list[ProfileSpec], rates: list[float], cost: CostModel, *,
           overrides: dict[str, Any] | None = None, slos: dict[str, float] | None = None, jobs: int = 1,
-          stop_after_unbounded: int | None = 1, on_point: Callable[[SweepPoint], None] | None = None) -> list[SweepPoint]:
+          stop_after_unbounded: int | None = 1, on_point: Callable[[SweepPoint], None] | None = None,
+          engine: str = "spec", check_engine: str = "sampled") -> list[SweepPoint]:
     """Simulate every profile at every rate; return the points (profiles in order, rates ascending).
 
     Profiles that do not resolve (unknown names, bad knobs) get one point with
@@ -193,6 +218,11 @@ def sweep(trace: Trace, specs: list[ProfileSpec], rates: list[float], cost: Cost
     queue grew without bound at ``k`` rates, its higher rates are skipped
     (``skipped``): they can only be worse.  ``jobs`` worker processes run the
     points, lowest rates first.
+
+    ``engine="gpu"`` simulates gpu_engine's decisions (:mod:`fuzz.sim_engine`);
+    ``check_engine`` then compares them with the spec's: ``full`` every run whole,
+    ``sampled`` the first arrivals of the lowest and the highest rate, ``off`` none.
+    A mismatch makes that point an error.
     """
     overrides, slos = dict(overrides or {}), dict(slos or {})
     rates = sorted(set(rates))
@@ -209,6 +239,12 @@ def sweep(trace: Trace, specs: list[ProfileSpec], rates: list[float], cost: Cost
                 on_point(point)
     order = [(spec, rate) for rate in rates for spec in runnable]
     unbounded: dict[str, int] = {}
+    sampled = {rates[0], rates[-1]} if rates else set()
+
+    def check_mode(rate: float) -> str:
+        if engine != "gpu" or check_engine == "off":
+            return "off"
+        return "full" if check_engine == "full" else ("sampled" if rate in sampled else "off")
 
     def finish(point: SweepPoint) -> None:
         points[(point.profile, point.rate)] = point
@@ -228,8 +264,14 @@ def sweep(trace: Trace, specs: list[ProfileSpec], rates: list[float], cost: Cost
             if beyond(spec, rate):
                 finish(SweepPoint(spec.text, rate, skipped="beyond the capacity boundary"))
                 continue
-            metrics, cpu = _sweep_job(trace, spec, rate, cost, overrides, slos)
-            finish(SweepPoint(spec.text, rate, metrics, cpu_s=cpu))
+            try:
+                metrics, cpu, checked = _sweep_job(trace, spec, rate, cost, overrides, slos, engine, check_mode(rate))
+            except RuntimeError as e:  # gpu_engine differs from the spec: report it, keep sweeping
+                if engine != "gpu" or type(e).__name__ != "EngineMismatch":
+                    raise
+                finish(SweepPoint(spec.text, rate, error=f"{type(e).__name__}: {e}"))
+                continue
+            finish(SweepPoint(spec.text, rate, metrics, cpu_s=cpu, checked_steps=checked))
     else:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
             queue = list(order)
@@ -240,13 +282,14 @@ def sweep(trace: Trace, specs: list[ProfileSpec], rates: list[float], cost: Cost
                     if beyond(spec, rate):
                         finish(SweepPoint(spec.text, rate, skipped="beyond the capacity boundary"))
                         continue
-                    running[pool.submit(_sweep_job, trace, spec, rate, cost, overrides, slos)] = (spec, rate)
+                    running[pool.submit(_sweep_job, trace, spec, rate, cost, overrides, slos, engine,
+                                        check_mode(rate))] = (spec, rate)
                 done, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in done:
                     spec, rate = running.pop(future)
                     try:
-                        metrics, cpu = future.result()
-                        finish(SweepPoint(spec.text, rate, metrics, cpu_s=cpu))
+                        metrics, cpu, checked = future.result()
+                        finish(SweepPoint(spec.text, rate, metrics, cpu_s=cpu, checked_steps=checked))
                     except Exception as e:  # a run failed (stall, step limit): report it, keep sweeping
                         finish(SweepPoint(spec.text, rate, error=f"{type(e).__name__}: {e}"))
     order_index = {spec.text: i for i, spec in enumerate(specs)}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from spec.config import SchedulerConfig, resolve
@@ -83,6 +84,12 @@ class GpuEngine:
     ``use_numpy=False`` runs the scheduler's array code as torch ops even on CPU
     (the CUDA code path, testable without a GPU); the default uses numpy views
     on CPU and torch on CUDA.
+
+    ``prompt_cache`` (a dict the caller keeps, e.g. one per simulator process):
+    synthesized prompts and their block-hash chains, shared by every engine given
+    the same dict, so a trace replayed at many rates synthesizes and hashes each
+    prompt once.  ``output_tokens`` (settable): ``f(request, first, count)`` giving a
+    request's synthetic output tokens in bulk, for :meth:`decode_span`.
     """
 
     name = "gpu_engine"
@@ -90,7 +97,7 @@ class GpuEngine:
     def __init__(self, config: SchedulerConfig, vocab_size: int = DEFAULT_VOCAB_SIZE,
                  eos_token_id: int = DEFAULT_EOS_TOKEN_ID, device="cpu", model=None,
                  level: str = "exact", dtype: torch.dtype = torch.float32, seed: int = 0,
-                 use_numpy: bool | None = None):
+                 use_numpy: bool | None = None, prompt_cache: dict | None = None, log_state: bool = False):
         if level not in LEVELS:
             raise ValueError(f"level must be one of {', '.join(LEVELS)}, got {level!r}")
         check_supported(config)
@@ -109,6 +116,13 @@ class GpuEngine:
         self._aborted: list[str] = []
         self._rejected: list[tuple[str, str]] = []
         self._names_key = None  # (slots array, its request ids): see _names
+        self.prompt_cache = prompt_cache
+        self.prompt_tokens = None  # f(request) -> its prompt token ids (default: the trace's rule)
+        self.output_tokens = None
+        self.want_shape = False  # set by a simulator: step() leaves the batch's shape in last_shape
+        self.last_shape = (0, 0, 0)  # (prefill tokens, decode requests, KV tokens read)
+        self.sched.eos_token_id = eos_token_id
+        self.sched.log_state = log_state  # the optional state fields of spec.formats.STATE_FIELDS
         self.num_steps = 0
 
     @classmethod
@@ -127,7 +141,20 @@ class GpuEngine:
             s.num_arrivals += 1  # a rejected request still takes an arrival number
             self._rejected.append((request.id, why))
             return
-        s.add(request, request.prompt_token_ids(self.vocab_size))
+        future = None
+        if self.output_tokens is not None and self.model is None:  # every token it can sample, written ahead
+            longest = max(min(request.prompt_len + request.max_tokens, self.config.max_model_len), request.prompt_len + 1)
+            future = self.output_tokens(request, 0, longest - request.prompt_len)
+        if self.prompt_cache is None:
+            s.add(request, self._prompt(request), future=future)
+            return
+        key = (request.id, request.prompt_len, None if request.prompt is None else tuple(request.prompt),
+               request.prefix_group, request.prefix_len, self.vocab_size, s.bs if s.caching else 0)
+        got = self.prompt_cache.get(key)
+        if got is None:
+            prompt = self._prompt(request)
+            got = self.prompt_cache[key] = (np.asarray(prompt, dtype=np.int64), s._chain([], prompt) if s.caching else [])
+        s.add(request, got[0], chain=got[1], future=future)
 
     def abort_request(self, request_id: str) -> None:
         if self.sched.abort(request_id):
@@ -141,6 +168,8 @@ class GpuEngine:
         batch = s.schedule()
         names = self._names(batch.slots)  # read before finished slots are released
         samplers = names if batch.all_sample else s.ids[s.be.host(batch.slots[batch.samples])].tolist()
+        if self.want_shape:
+            self.last_shape = self._shape(batch)
         tokens = self._execute(batch) if self.model is not None else self._synthesize(batch)
         finished = s.update(batch, tokens, self.eos_token_id)
         self.num_steps += 1
@@ -159,14 +188,67 @@ class GpuEngine:
         self._names_key = (slots, names)
         return names
 
+    def _prompt(self, request: TraceRequest) -> list[int]:
+        if self.prompt_tokens is not None:
+            return self.prompt_tokens(request)
+        return request.prompt_token_ids(self.vocab_size)
+
+    # -- decode spans (simulators) ---------------------------------------------
+
+    def decode_span(self, k_max: int) -> tuple[int, list[int]]:
+        """Run up to ``k_max`` steady decode steps at once, without records (for a
+        simulator that accounts for them in bulk): ``(k, allocs)``, ``allocs[j]`` the
+        blocks popped in step ``j``.  ``(0, [])`` when the next step is not part of such
+        a span (see :meth:`~gpu_engine.scheduler.Scheduler.decode_span`); scheduler-only mode."""
+        s = self.sched
+        if self.model is not None or self._aborted or self._rejected or not s.span_ready():
+            return 0, []  # (an abort or a rejection since the last step belongs in the next step's record)
+        k, allocs = s.decode_span(k_max, self._span_outputs)
+        if k:
+            self.num_steps += k
+            s.clock += k
+        return k, allocs
+
+    def span_bound(self) -> int:
+        """Steps before the first running request reaches its length limit (a bound on a span)."""
+        s = self.sched
+        if not len(s.running):
+            return 0
+        return int((s.stop_at[s.running] - s.num_tokens[s.running]).min()) - 1
+
+    def _span_outputs(self, slot: int, first: int, count: int):
+        req = self.sched.sources[slot]
+        if self.output_tokens is not None:  # written ahead at add_request
+            p = req.prompt_len
+            return self.sched.token_ids[slot, p + first:p + first + count]
+        return [req.output_token(i, self.vocab_size) for i in range(first, first + count)]
+
     # -- execution -------------------------------------------------------------
 
+    def _shape(self, batch: Batch) -> tuple[int, int, int]:
+        """(prefill tokens, decode requests, KV tokens) of a batch, before its update: a decode
+        computes exactly the newest sampled token (``n = 1``, ``start = num_tokens - 1``,
+        at least one output), anything else is prefill; it reads ``start + n`` KV tokens."""
+        s, slots, n, start = self.sched, batch.slots, batch.num_scheduled, batch.start
+        if not len(slots):
+            return 0, 0, 0
+        dec = (n == 1) & (start == s.num_tokens[slots] - 1) & (s.num_output_tokens[slots] > 0)
+        tokens, decodes = xp.total(n), xp.total(dec)
+        return tokens - decodes, decodes, xp.total(start) + tokens
+
     def _synthesize(self, batch: Batch):
-        """Scheduler-only mode: the trace's synthetic token for each sampling request."""
+        """Scheduler-only mode: the trace's synthetic token for each sampling request
+        (written ahead into the token table when ``output_tokens`` is set)."""
         s = self.sched
-        smp = batch.slots[batch.samples]
+        smp = batch.slots if batch.all_sample else batch.slots[batch.samples]
+        if self.output_tokens is not None:
+            return s.token_ids[smp, s.num_tokens[smp]]
         idx = xp.to_list(s.num_output_tokens[smp])
-        toks = [s.sources[i].output_token(k, self.vocab_size) for i, k in zip(xp.to_list(smp), idx)]
+        if self.output_tokens is not None:
+            out = self.output_tokens
+            toks = [int(out(s.sources[i], k, 1)[0]) for i, k in zip(xp.to_list(smp), idx)]
+        else:
+            toks = [s.sources[i].output_token(k, self.vocab_size) for i, k in zip(xp.to_list(smp), idx)]
         return s.be.asarray(toks)
 
     def _execute(self, batch: Batch):
@@ -203,6 +285,8 @@ class GpuEngine:
                          aborted=self._aborted, rejected=self._rejected, sampled=dict(zip(samplers, xp.to_list(tokens))),
                          swapped_out=batch.swapped_out, swapped_in=batch.swapped_in)
         self._aborted, self._rejected = [], []
+        if s.log_state:
+            self._record_state(rec, batch)
         if self.level != "decisions":
             ids = self._names(s.running)
             held = xp.to_list(s.num_blocks[s.running])
@@ -218,3 +302,18 @@ class GpuEngine:
                 rec.block_ids = {r: t for r, t, k in zip(ids, s.tables(), held) if k}
                 rec.evicted = list(s.pool.evicted)
         return rec
+
+    def _record_state(self, rec: StepRecord, batch: Batch) -> None:
+        """The optional state fields up to ``level``, from this engine's own arrays: computed
+        tokens, VTC counters, the estimate's rem, cache registrations (ordinals), hit blocks."""
+        s = self.sched
+        rec.computed = dict(zip(self._names(s.running), xp.to_list(s.num_computed_tokens[s.running])))
+        if s.tc is not None:
+            rec.vtc_counters = {name: float(s.tc.counter[t]) for name, t in s.tc.index.items()}
+        registered, s.registered = s.registered, {}
+        if self.level == "decisions":
+            return
+        rec.estimate_rem = batch.estimate_rem
+        rec.cache_registered = registered if s.caching else None
+        if self.level == "exact":
+            rec.hit_blocks = batch.hit_blocks

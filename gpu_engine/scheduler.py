@@ -76,6 +76,8 @@ class Batch:
     swapped_out: list[str] = field(default_factory=list)
     swapped_in: list[str] = field(default_factory=list)
     cache_hits: dict[str, int] = field(default_factory=dict)
+    hit_blocks: dict[str, list[int]] = field(default_factory=dict)  # logged state: admitted -> prefix-hit block ids
+    estimate_rem: float | None = None  # logged state: rem_total_tokens when the first head was tested
 
 
 class Scheduler:
@@ -113,11 +115,14 @@ class Scheduler:
         self.swap = c.preemption_mode == "swap"
         self.cpu_free = c.num_cpu_blocks  # CPU swap pool: only a count (no block ids are logged)
         self.num_swapped = 0  # swapped slots: finite ``swap_key``, swap-in order ascending
+        self.eos_token_id = -1  # set by the engine (used by decode spans' stop check)
         # True when every running request decodes one token next step (the last step scheduled
         # all of them, each sampled, nobody was preempted): phase 1 then takes :meth:`_decode_all`
         self.steady = False
         self._ones: dict[int, tuple] = {}  # length -> read-only (ones, all-True) arrays for steady batches
         self._steady_batch = None  # (num_tokens, start, samples) of this step's :meth:`_decode_all`
+        self.log_state = False  # the engine logs the optional state fields (set by GpuEngine)
+        self.registered: dict[str, list[int]] = {}  # logged state: request -> block ordinals registered this step
 
     # ------------------------------------------------------------------ storage
 
@@ -184,8 +189,10 @@ class Scheduler:
                 return "never_fits"
         return None
 
-    def add(self, req: TraceRequest, prompt: list[int]) -> None:
-        """Queue a request (already checked by :meth:`rejection`); ``prompt`` its token ids."""
+    def add(self, req: TraceRequest, prompt: list[int], chain: list[int] | None = None, future=None) -> None:
+        """Queue a request (already checked by :meth:`rejection`); ``prompt`` its token ids,
+        ``chain`` (optional, copied) the block hashes of ``prompt``'s full blocks, ``future``
+        (optional) the tokens it will sample, written after the prompt ahead of time."""
         c = self.config
         longest = max(min(req.prompt_len + req.max_tokens, c.max_model_len), req.prompt_len + 1)
         self._ensure(longest, cdiv(min(longest, c.max_model_len), self.bs) + 1, len(req.stop_token_ids))
@@ -194,6 +201,8 @@ class Scheduler:
         self.slot_of[req.id] = s
         p = len(prompt)
         self.token_ids[s, :p] = self.be.asarray(prompt)
+        if future is not None and len(future):
+            self.token_ids[s, p:p + len(future)] = self.be.asarray(future)
         self.stop_ids[s, :] = -1
         if req.stop_token_ids:
             self.stop_ids[s, : len(req.stop_token_ids)] = self.be.asarray(list(req.stop_token_ids))
@@ -207,7 +216,10 @@ class Scheduler:
                         ("num_blocks", 0), ("num_cached_blocks", 0),
                         ("stop_at", min(p + req.max_tokens, c.max_model_len))):
             getattr(self, name)[s] = v
-        self.hashes[s] = self._chain([], prompt) if self.caching else []
+        if not self.caching:
+            self.hashes[s] = []
+        else:
+            self.hashes[s] = list(chain) if chain is not None else self._chain([], prompt)
         self._enqueue(s, front=False, arrival=True)
 
     def _chain(self, chain: list[int], tokens: list[int]) -> list[int]:
@@ -343,6 +355,9 @@ class Scheduler:
             hashes = [h for s, a, b in zip(xp.to_list(ts), xp.to_list(lo), xp.to_list(hi)) for h in chains[s][a:b]]
         self.pool.register(blocks, hashes)
         self.num_cached_blocks[ts] = hi
+        if self.log_state:
+            for s, a, b in zip(xp.to_list(ts), xp.to_list(lo), xp.to_list(hi)):
+                self.registered.setdefault(self.ids[s], []).extend(range(a, b))
 
     def _preempt(self, victims: Array, batch: Batch) -> None:
         """Preempt victims in order: free their GPU tables (all at once, in order), then
@@ -663,6 +678,8 @@ class Scheduler:
                 chunked=c.enable_chunked_prefill, full_isl=c.scheduler_reserve_full_isl,
                 block_size=self.bs, max_model_len=c.max_model_len, reserve=self._reservation(cand))
             if rem is not None:
+                if batch.estimate_rem is None:
+                    batch.estimate_rem = rem
                 ok, before = self._estimate_ok(ntok - nhit * self.bs, cand, rem)
                 count = min(count, xp.first_true(~ok))
                 rem = float(before[count])
@@ -754,6 +771,12 @@ class Scheduler:
             self.block_table[rows, cols] = own
             if self.host_tables is not None:
                 self._mirror(adm, nhit, own)
+            if self.log_state:
+                flat, i = xp.to_list(own), 0
+                for s, k in zip(xp.to_list(adm), xp.to_list(nhit)):
+                    if k:
+                        batch.hit_blocks[self.ids[s]] = flat[i:i + k]
+                    i += k
         self.num_blocks[adm] = nhit
         self.num_cached_blocks[adm] = nhit
         self._allocate(adm, need - evictable)
@@ -835,6 +858,109 @@ class Scheduler:
                 self.hashes[s] = self._chain(chain, row.tolist())
                 continue
             chain.append(hash_block(chain[-1] if chain else None, block))
+
+    # ------------------------------------------------------------------ decode spans (simulators)
+
+    def span_ready(self) -> bool:
+        """Whether the next steps are pure steady decode that :meth:`decode_span` may run:
+        every running request decodes, nothing waits or is swapped out (so no step admits,
+        swaps in or re-orders anything), and no per-step state beyond the requests'
+        own (VTC counters, SGLang's ratio) changes."""
+        return (self.steady and self.num_waiting == 0 and self.num_swapped == 0 and self.tc is None
+                and not self.estimate and 0 < len(self.running) <= self.config.max_num_batched_tokens)
+
+    def decode_span(self, k_max: int, outputs) -> tuple[int, list[int]]:
+        """Run up to ``k_max`` steady decode steps at once (:meth:`span_ready` must hold):
+        ``(k, allocs)`` with ``allocs[j]`` the blocks popped in step ``j``.
+
+        The span ends before the first step that would differ from "every running request
+        computes one token and samples one": a stop (``stop_at``, EOS, a stop token) or an
+        allocation the free queue cannot serve (a preemption).  Within it, each step's
+        decisions are the closed forms of the per-step path: request ``i`` (``t_i`` tokens)
+        needs ``cdiv(t_i + j, bs)`` blocks in step ``j`` (:func:`formulas.block_demand`
+        with ``n = 1``), so it pops block ``b`` in step ``max(b * bs - t_i + 1, 0)``; its
+        block ``m`` fills when token ``(m + 1) * bs - 1`` is appended (step
+        ``(m + 1) * bs - 1 - t_i``, hashed then) and is registered in the next step's
+        schedule.  Pops and registrations are applied in (step, running order), the order
+        the per-step path applies them.  ``outputs(slot, first, count)`` gives the tokens
+        a request samples (its output indices ``first .. first + count - 1``).
+        Returns ``(0, [])`` when fewer than two steps qualify: run them one by one.
+        """
+        c, bs = self.config, self.bs
+        run = self.running
+        slots = xp.to_list(run)
+        t = xp.to_list(self.num_tokens[run])
+        k = min([k_max] + [st - tt - 1 for st, tt in zip(xp.to_list(self.stop_at[run]), t)])  # before any stop
+        if k < 2:
+            return 0, []
+        nout = xp.to_list(self.num_output_tokens[run])
+        eos_ok = xp.to_list(self.ignore_eos[run] == 0)
+        toks = []
+        for s, o, e in zip(slots, nout, eos_ok):
+            out = outputs(s, o, k)
+            out = out.tolist() if isinstance(out, np.ndarray) else list(out)
+            stops = set(self.sources[s].stop_token_ids)
+            if e:
+                stops.add(self.eos_token_id)
+            if stops and not stops.isdisjoint(out[:k]):  # cut before the first step that samples one
+                k = next(j for j, tok in enumerate(out[:k]) if tok in stops)
+            toks.append(out)
+        held = xp.to_list(self.num_blocks[run])
+        pops = sorted((max(b * bs - ti + 1, 0), i, b) for i, (ti, h) in enumerate(zip(t, held))
+                      for b in range(h, cdiv(ti + k - 1, bs)))
+        free, used = self.pool.num_free, 0
+        for n_before, (j, _, _) in enumerate(pops):  # an allocation past the free blocks: a preemption
+            if n_before >= free and j < k:
+                k = j
+                break
+        if k < 2:
+            return 0, []
+        pops = [e for e in pops if e[0] < k]
+        allocs = [0] * k
+        for j, _, _ in pops:
+            allocs[j] += 1
+        if pops:
+            blocks = xp.to_list(self.pool.pop(len(pops)))
+            for (j, i, b), block in zip(pops, blocks):
+                self.block_table[slots[i], b] = block
+                if self.host_tables is not None:
+                    self.host_tables[slots[i]].append(block)
+            self.pool.evicted = []
+        if self.caching:
+            self._span_cache(slots, t, toks, k)
+        for i, s in enumerate(slots):
+            ti = t[i]
+            self.token_ids[s, ti:ti + k] = self.be.asarray(toks[i][:k])
+            self.num_blocks[s] = max(held[i], cdiv(ti + k - 1, bs))
+        self.num_tokens[run] += k
+        self.num_output_tokens[run] += k
+        self.num_computed_tokens[run] = self.num_tokens[run] - 1
+        return k, allocs
+
+    def _span_cache(self, slots: list[int], t: list[int], toks: list[list[int]], k: int) -> None:
+        """Prefix-cache bookkeeping of a decode span: extend each hash chain over the blocks
+        its appended tokens fill, register blocks in (step, running order)."""
+        bs = self.bs
+        regs = []
+        for i, (s, ti) in enumerate(zip(slots, t)):
+            chain = self.hashes[s]
+            last = (ti + k) // bs  # full blocks after the span's last append
+            if len(chain) < last:
+                lo = len(chain) * bs
+                known = xp.to_list(self.token_ids[s, lo:ti]) if lo < ti else []
+                row = known + toks[i][:ti + k - max(lo, ti)]
+                for m in range(len(chain), last):
+                    part = row[(m * bs - lo):((m + 1) * bs - lo)]
+                    chain.append(hash_block(chain[-1] if chain else None, part))
+            cached = int(self.num_cached_blocks[s])
+            for m in range(cached, (ti + k - 1) // bs):  # registered in step (m + 1) * bs - t_i
+                regs.append((max((m + 1) * bs - ti, 0), i, m))
+            if (ti + k - 1) // bs > cached:
+                self.num_cached_blocks[s] = (ti + k - 1) // bs
+        regs.sort()
+        if regs:
+            self.pool.register([int(self.block_table[slots[i], m]) for _, i, m in regs],
+                               [self.hashes[slots[i]][m] for _, i, m in regs])
 
     # ------------------------------------------------------------------ views for records
 

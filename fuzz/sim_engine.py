@@ -1,0 +1,378 @@
+"""The simulator on gpu_engine's decisions: ``simulate`` / ``compare`` / ``sweep --engine gpu``.
+
+:func:`spec.simulate.simulate` runs the spec one step at a time.  A capacity
+sweep of a real trace is millions of steps (at low rates each request decodes
+alone, one token a step), so this module runs gpu_engine (scheduler-only)
+under the same driver semantics, with three savings that change no decision:
+
+* **decode spans**: while every running request decodes, nothing waits and no
+  arrival, abort, stop or failed allocation is due, consecutive steps differ
+  only in their KV length; :meth:`gpu_engine.GpuEngine.decode_span` applies
+  them in closed form and the driver accounts for them in bulk (durations,
+  inter-token gaps, KV occupancy), with the cost model evaluated in numpy in
+  the same float operations as :meth:`spec.costmodel.CostModel.step_ns`;
+* **token synthesis in bulk**: the trace's synthetic prompt and output tokens
+  (``crc32("<label>#<index>")``, :mod:`spec.formats`) computed by a vectorized
+  CRC-32, identical to ``zlib.crc32`` (tested);
+* **a per-process prompt cache**: a sweep replays the same requests at every
+  rate; prompts and their block hashes are made once per worker.
+
+The result is a :class:`spec.simulate.SimResult` equal to the spec's on the
+same run.  :func:`check_run` verifies that: it simulates a window of the
+trace (the first ``requests`` arrivals) with both the spec and gpu_engine and
+compares every request's times and every step's shape (``--check-engine``:
+``sampled`` checks a window at some rates, ``full`` the whole run at every
+rate, ``off`` nothing).
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from collections import defaultdict
+from typing import Callable
+
+import numpy as np
+
+from spec.config import SchedulerConfig
+from spec.costmodel import NS_PER_S, CostModel, StepShape
+from spec.formats import FIRST_SYNTHETIC_TOKEN, LIMITS, Trace, TraceRequest
+from spec.protocol import StepLimitError
+from spec.simulate import BatchTracker, RequestTimes, SimResult, StallError, StepSample, arrival_ns
+
+ENGINES = ("spec", "gpu")
+CHECKS = ("sampled", "full", "off")
+CHECK_REQUESTS = 1000  # the window a sampled check simulates with both engines
+
+
+# --------------------------------------------------------------------------
+# Synthetic tokens in bulk
+# --------------------------------------------------------------------------
+
+
+def _crc_table() -> np.ndarray:
+    t = np.arange(256, dtype=np.uint32)
+    for _ in range(8):
+        t = np.where(t & 1, (t >> 1) ^ np.uint32(0xEDB88320), t >> 1).astype(np.uint32)
+    return t
+
+
+_CRC = _crc_table()
+
+
+def synthetic_range(label: str, start: int, stop: int, vocab_size: int) -> np.ndarray:
+    """``[_mix(label, i, vocab_size) for i in range(start, stop)]`` as an int64 array.
+
+    ``_mix`` is ``FIRST_SYNTHETIC_TOKEN + crc32(f"{label}#{i}") % span``: the CRC of the
+    common ``label#`` prefix once (``zlib``), then a table-driven CRC-32 over the
+    decimal digits of every ``i`` at once (indices grouped by digit count).
+    """
+    out = np.empty(max(stop - start, 0), dtype=np.int64)
+    base = ~zlib.crc32(f"{label}#".encode()) & 0xFFFFFFFF
+    lo = start
+    while lo < stop:
+        digits = len(str(lo))
+        hi = min(stop, 10 ** digits)
+        idx = np.arange(lo, hi, dtype=np.int64)
+        state = np.full(hi - lo, base, dtype=np.uint32)
+        for pos in range(digits):
+            byte = ((idx // 10 ** (digits - 1 - pos)) % 10 + 48).astype(np.uint32)
+            state = _CRC[(state ^ byte) & 0xFF] ^ (state >> np.uint32(8))
+        out[lo - start:hi - start] = (~state).astype(np.int64) & 0xFFFFFFFF
+        lo = hi
+    return FIRST_SYNTHETIC_TOKEN + out % (vocab_size - FIRST_SYNTHETIC_TOKEN)
+
+
+def prompt_tokens(request: TraceRequest, vocab_size: int) -> list[int]:
+    """``request.prompt_token_ids(vocab_size)``, synthesized in bulk."""
+    if request.prompt is not None:
+        return list(request.prompt)
+    shared = min(request.prefix_len, request.prompt_len) if request.prefix_group else 0
+    head = synthetic_range(f"{request.prefix_group}#pre", 0, shared, vocab_size) if shared else np.empty(0, np.int64)
+    tail = synthetic_range(f"{request.id}#in", shared, request.prompt_len, vocab_size)
+    return np.concatenate([head, tail]).tolist()
+
+
+#: Per worker process: each request's output tokens (all ``max_tokens`` of them), made once.
+_OUTPUT_CACHE: dict = {}
+
+
+def output_tokens(request: TraceRequest, first: int, count: int, vocab_size: int) -> np.ndarray:
+    """``[request.output_token(i, vocab_size) for i in range(first, first + count)]`` (an array),
+    from this process's cache of every output token the request can sample."""
+    key = (request.id, request.max_tokens, request.output_tokens, vocab_size)
+    tokens = _OUTPUT_CACHE.get(key)
+    if tokens is None:
+        tokens = synthetic_range(f"{request.id}#out", 0, max(request.max_tokens, first + count), vocab_size)
+        given = request.output_tokens[:len(tokens)]
+        tokens[:len(given)] = given
+        _OUTPUT_CACHE[key] = tokens
+    if first + count > len(tokens):  # past max_tokens (cannot be sampled): the rule itself
+        return np.array([request.output_token(i, vocab_size) for i in range(first, first + count)], dtype=np.int64)
+    return tokens[first:first + count]
+
+
+# --------------------------------------------------------------------------
+# The driver
+# --------------------------------------------------------------------------
+
+#: Per worker process: prompts and block-hash chains, shared by every gpu_engine run.
+_PROMPT_CACHE: dict = {}
+
+
+def make_gpu_engine(trace: Trace, config: SchedulerConfig):
+    """gpu_engine, scheduler-only, memory-level records (what the driver reads),
+    with this process's prompt cache and bulk token synthesis."""
+    from gpu_engine import GpuEngine
+
+    # the driver reads the batch shape and free blocks from the engine itself (want_shape), except under
+    # swap preemption, where BatchTracker's view of a swapped-in request's start is the reference
+    level = "memory" if config.preemption_mode == "swap" else "decisions"
+    engine = GpuEngine(config, trace.vocab_size, trace.eos_token_id, level=level, prompt_cache=_PROMPT_CACHE)
+    engine.want_shape = level == "decisions"
+    vocab = trace.vocab_size
+    engine.prompt_tokens = lambda req: prompt_tokens(req, vocab)
+    engine.output_tokens = lambda req, first, count: output_tokens(req, first, count, vocab)
+    return engine
+
+
+def xp_total(a) -> int:
+    return int(a.sum())
+
+
+def _span_step_ns(cost: CostModel, decodes: int, kv0: int, k: int) -> np.ndarray:
+    """``cost.step_ns(StepShape(0, decodes, kv0 + j * decodes))`` for ``j < k``, in the same
+    float64 operations and rounding (half to even) as :meth:`CostModel.step_ns`."""
+    kv = kv0 + decodes * np.arange(k, dtype=np.int64)
+    seconds = (cost.fixed_s + cost.per_prefill_token_s * 0) + cost.per_decode_seq_s * decodes + cost.per_kv_token_s * kv
+    return np.maximum(np.rint(seconds * NS_PER_S), 1).astype(np.int64)
+
+
+def simulate_fast(trace: Trace, cost: CostModel, engine, *, usable_blocks: int | None = None,
+                  max_steps: int = LIMITS["steps"], keep_records: int = 0,
+                  on_step: Callable[[SimResult], None] | None = None) -> SimResult:
+    """:func:`spec.simulate.simulate` (same events, same :class:`SimResult`), with decode
+    spans run in bulk when ``engine`` offers ``decode_span`` (gpu_engine)."""
+    if usable_blocks is None and hasattr(engine, "config"):
+        usable_blocks = engine.config.usable_blocks
+    pending = sorted(trace.requests, key=arrival_ns)
+    arrivals = [arrival_ns(r) for r in pending]
+    aborts: dict[int, list[str]] = defaultdict(list)
+    for r in trace.requests:
+        if r.abort_at is not None:
+            aborts[r.abort_at].append(r.id)
+    abort_steps = sorted(aborts)
+    times = {r.id: RequestTimes(r.id, r.tenant, r.prompt_len, a) for r, a in zip(pending, arrivals)}
+    tenant_of = {r.id: r.tenant for r in pending}
+    result = SimResult(times, cost, usable_blocks)
+    tracker = BatchTracker(pending)
+    running: dict[str, None] = {}  # insertion-ordered set
+    in_system = 0
+    now, i, step = 0, 0, 0
+    own_shape = getattr(engine, "want_shape", False)  # the engine reports shapes: no tracker past keep_records
+    # spans need the engine's shapes: BatchTracker counts a swapped-in request's chunks from 0 (as the
+    # spec's simulator does), which a span of decodes would not reproduce
+    spans = own_shape and hasattr(engine, "decode_span")
+    tenants = {r.tenant for r in pending}
+    one_tenant = next(iter(tenants)) if len(tenants) == 1 else None
+    while i < len(pending) or engine.has_unfinished_requests():
+        if not engine.has_unfinished_requests() and arrivals[i] > now:
+            now = arrivals[i]
+        if step >= max_steps:
+            raise StepLimitError(max_steps, step, [])
+        while i < len(pending) and arrivals[i] <= now:
+            engine.add_request(pending[i])
+            in_system += 1
+            i += 1
+        for rid in aborts.get(step, ()):
+            engine.abort_request(rid)
+        if spans and step >= keep_records:
+            k = _span(engine, result, None, cost, now, step,
+                      arrivals[i] if i < len(pending) else None, abort_steps, max_steps, in_system, len(running),
+                      usable_blocks, tenant_of)
+            if k:
+                now = result.step_end_ns[-1]
+                step += k
+                if on_step is not None:
+                    on_step(result)
+                continue
+        record = engine.step()
+        record.step = step
+        if own_shape and step >= keep_records:
+            shape, parts = StepShape(*engine.last_shape), None
+            ran = bool(record.scheduled)
+        else:
+            shape, parts = tracker.shape(record)
+            ran = bool(parts)
+        end = now + (cost.step_ns(shape) if ran else 0)
+        if record.rejected or record.aborted or record.preempted:
+            for rid, why in record.rejected:
+                times[rid].outcome, times[rid].finish_ns = f"rejected: {why}", now
+            for rid in record.aborted:
+                times[rid].outcome, times[rid].finish_ns = "aborted", now
+                running.pop(rid, None)
+            for rid in record.preempted:
+                times[rid].preemptions += 1
+                running.pop(rid, None)
+            in_system -= len(record.rejected) + len(record.aborted)
+        for rid in record.new:
+            times[rid].first_scheduled_ns = now
+        running.update(dict.fromkeys(record.new))
+        running.update(dict.fromkeys(record.resumed))
+        service = result.tenant_service
+        if one_tenant is not None:
+            if ran:
+                service[one_tenant] += shape.prefill_tokens + shape.decode_seqs
+        else:
+            for rid, n in record.scheduled:
+                service[tenant_of[rid]] += n
+        result.decode_tokens += shape.decode_seqs
+        result.prefill_tokens += shape.prefill_tokens
+        itl = result.itl_ns
+        for rid in record.sampled:
+            t = times[rid]
+            if t.last_token_ns is None:
+                t.first_token_ns = end
+            else:
+                itl.append(end - t.last_token_ns)
+            t.last_token_ns = end
+            t.outputs += 1
+        for rid, why in record.finished:
+            t = times[rid]
+            t.outcome, t.finish_ns = why, end
+            running.pop(rid, None)
+        in_system -= len(record.finished)
+        result.steps += 1
+        result.step_end_ns.append(end)
+        result.step_ns.append(end - now)
+        result.in_system.append(in_system)
+        result.running.append(len(running))
+        free = record.num_free_blocks if not own_shape else engine.sched.pool.num_free
+        result.used_blocks.append(usable_blocks - free if free is not None and usable_blocks is not None else -1)
+        if step < keep_records:
+            result.samples.append(StepSample(record, now, end, shape, parts))
+        if on_step is not None:
+            on_step(result)
+        if not ran and engine.has_unfinished_requests():
+            if i >= len(pending):
+                raise StallError(
+                    f"step {step}: {in_system} requests unfinished, none scheduled, no arrival left "
+                    "(the engine cannot make progress; see the liveness invariant LIVE.NO_IDLE_STALL)"
+                )
+            end = max(end, arrivals[i])
+        now = end
+        step += 1
+    return result
+
+
+def _span(engine, result: SimResult, tracker: BatchTracker, cost: CostModel, now: int, step: int,
+          next_arrival: int | None, abort_steps: list[int], max_steps: int, in_system: int, num_running: int,
+          usable_blocks: int | None, tenant_of: dict[str, str]) -> int:
+    """Run a decode span from ``step`` if one qualifies; account for its steps; return its length.
+
+    The span may not reach a step that starts at or after the next arrival (that step
+    adds it), a step with aborts, or ``max_steps``.  Every step of it schedules each
+    running request for one decode token (its shape: no prefill, ``R`` decodes, KV
+    ``sum(computed + 1)`` growing by ``R`` a step) and samples each once."""
+    sched = engine.sched
+    if not sched.span_ready():
+        return 0
+    bound = min(engine.span_bound(), max_steps - step)
+    nxt = next((a for a in abort_steps if a > step), None)
+    if nxt is not None:
+        bound = min(bound, nxt - step)
+    if bound < 2:
+        return 0
+    names = engine._names(sched.running)
+    decodes = len(names)
+    if tracker is None:  # decode state: computed + 1 = num_tokens
+        kv0 = xp_total(sched.num_tokens[sched.running])
+    else:
+        kv0 = sum(tracker.computed[r] for r in names) + decodes
+    step_ns = _span_step_ns(cost, decodes, kv0, bound)
+    ends = now + np.cumsum(step_ns)
+    if next_arrival is not None:  # step j starts at ends[j-1]; one starting at or after the arrival adds it
+        bound = min(bound, int(np.searchsorted(ends, next_arrival, side="left")) + 1)
+    free0 = sched.pool.num_free
+    k, allocs = engine.decode_span(bound)
+    if not k:
+        return 0
+    step_ns, ends = step_ns[:k], ends[:k]
+    times = result.requests
+    end = int(ends[-1])
+    for rid in names:
+        t = times[rid]
+        t.last_token_ns = end
+        t.outputs += k
+        if tracker is not None:
+            tracker.computed[rid] += k
+            tracker.outputs[rid] += k
+        result.tenant_service[tenant_of[rid]] += k
+    result.itl_ns.extend(np.repeat(step_ns, decodes).tolist())
+    result.decode_tokens += decodes * k
+    result.steps += k
+    result.step_end_ns.extend(ends.tolist())
+    result.step_ns.extend(step_ns.tolist())
+    result.in_system.extend([in_system] * k)
+    result.running.extend([num_running] * k)
+    if usable_blocks is None:
+        result.used_blocks.extend([-1] * k)
+    else:
+        result.used_blocks.extend((usable_blocks - free0 + np.cumsum(allocs)).tolist())
+    return k
+
+
+# --------------------------------------------------------------------------
+# Runs and checks
+# --------------------------------------------------------------------------
+
+
+class EngineMismatch(RuntimeError):
+    """gpu_engine's simulation differs from the spec's on the same run."""
+
+
+def run_gpu(trace: Trace, config: SchedulerConfig, cost: CostModel, keep_records: int = 0,
+            on_step: Callable[[SimResult], None] | None = None) -> SimResult:
+    """One simulation on gpu_engine's decisions (decode spans, this process's caches)."""
+    return simulate_fast(trace, cost, make_gpu_engine(trace, config), keep_records=keep_records, on_step=on_step)
+
+
+def first_difference(spec: SimResult, gpu: SimResult) -> str | None:
+    """The first thing two simulations of one run disagree on (None: identical)."""
+    for rid, t in spec.requests.items():
+        other = gpu.requests.get(rid)
+        if other is None or vars(t) != vars(other):
+            diff = {k: (v, getattr(other, k, None)) for k, v in vars(t).items() if getattr(other, k, None) != v}
+            return f"request {rid}: " + ", ".join(f"{k} spec {a} gpu {b}" for k, (a, b) in diff.items())
+    for name in ("step_ns", "step_end_ns", "in_system", "running", "used_blocks", "itl_ns"):
+        a, b = getattr(spec, name), getattr(gpu, name)
+        if a != b:
+            j = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            return (f"{name} differs first at index {j}: spec {a[j] if j < len(a) else '(end)'}, "
+                    f"gpu {b[j] if j < len(b) else '(end)'}")
+    for name in ("steps", "prefill_tokens", "decode_tokens"):
+        if getattr(spec, name) != getattr(gpu, name):
+            return f"{name}: spec {getattr(spec, name)}, gpu {getattr(gpu, name)}"
+    if dict(spec.tenant_service) != dict(gpu.tenant_service):
+        return f"tenant_service: spec {dict(spec.tenant_service)}, gpu {dict(gpu.tenant_service)}"
+    return None
+
+
+def check_run(trace: Trace, config: SchedulerConfig, cost: CostModel, requests: int | None = CHECK_REQUESTS,
+              gpu_result: SimResult | None = None) -> int:
+    """Simulate the first ``requests`` arrivals (None: all, reusing ``gpu_result`` when
+    given) with the spec and with gpu_engine; raise :class:`EngineMismatch` on the first
+    difference; return the number of steps compared."""
+    from fuzz.sweep import run_one
+
+    window = trace
+    if requests is not None and requests < len(trace.requests):
+        first = sorted(trace.requests, key=arrival_ns)[:requests]
+        window = dataclasses.replace(trace, requests=first)
+        gpu_result = None
+    spec = run_one(window, config, cost)
+    gpu = gpu_result if gpu_result is not None else run_gpu(window, config, cost)
+    why = first_difference(spec, gpu)
+    if why is not None:
+        what = "the whole run" if window is trace else f"the first {len(window.requests)} requests"
+        raise EngineMismatch(f"gpu_engine's decisions differ from the spec's on {what}: {why}")
+    return spec.steps

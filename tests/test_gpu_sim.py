@@ -1,0 +1,118 @@
+"""The simulator on gpu_engine's decisions (``--engine gpu``): identical results to the spec's.
+
+Every test compares gpu_engine's :class:`~spec.simulate.SimResult` (decode spans in
+closed form, bulk token synthesis, engine-reported batch shapes) with the spec's on
+the same run, request by request and step by step (:func:`fuzz.sim_engine.first_difference`).
+"""
+import dataclasses
+import random
+
+import pytest
+
+from batchspec import sim_cli
+from batchspec.data import TRACES
+from fuzz import sim_engine as SE
+from fuzz.importers import import_trace
+from fuzz.sweep import parse_profile_spec, run_config, run_one, sweep
+from spec.costmodel import CostModel, preset
+from spec.formats import _mix
+from spec.formats import Trace, TraceRequest
+from spec.simulate import scale_to_rate
+
+COST = preset("h200-llama-8b-bf16")
+AZURE = TRACES / "azure_llm_2023_conv.csv"
+
+
+@pytest.fixture(scope="module")
+def azure():
+    trace, _ = import_trace(str(AZURE))
+    return dataclasses.replace(trace, requests=trace.requests[:150])
+
+
+def test_bulk_synthetic_tokens_equal_the_trace_rule():
+    for label, lo, hi in (("r0#in", 0, 1200), ("r17#out", 95, 10_050), ("grp#pre", 0, 3), ("x", 999_990, 1_000_010)):
+        assert SE.synthetic_range(label, lo, hi, 32000).tolist() == [_mix(label, i, 32000) for i in range(lo, hi)]
+    req = TraceRequest(id="q", prompt_len=40, max_tokens=30, prefix_group="g", prefix_len=20, output_tokens=(5, 6))
+    assert SE.prompt_tokens(req, 1000) == req.prompt_token_ids(1000)
+    assert SE.output_tokens(req, 0, 30, 1000).tolist() == [req.output_token(i, 1000) for i in range(30)]
+
+
+def _same(trace, profile, cost=COST, **knobs):
+    config = run_config(trace, parse_profile_spec(profile), cost, knobs)
+    spec = run_one(trace, config, cost)
+    calls = []
+    engine = SE.make_gpu_engine(trace, config)
+    step = engine.step
+    engine.step = lambda: calls.append(1) or step()
+    gpu = SE.simulate_fast(trace, cost, engine)
+    assert SE.first_difference(spec, gpu) is None, (profile, knobs)
+    return spec, gpu, len(calls)
+
+
+@pytest.mark.parametrize("rate", [0.5, 5.0, 40.0])
+def test_azure_window_equals_the_spec_at_low_and_high_load(azure, rate):
+    spec, gpu, engine_steps = _same(scale_to_rate(azure, rate), "vllm-v1")
+    if rate <= 5:  # decode spans did most of the steps
+        assert engine_steps < spec.steps / 3
+
+
+@pytest.mark.parametrize("profile,knobs", [
+    ("vllm-v1", {"num_blocks": 300}),  # tight memory: preemptions cut spans
+    ("vllm-v0-swap", {"num_blocks": 300, "max_model_len": 4096}),  # swap: the driver's own batch tracker
+    ("static", {}), ("sglang", {}), ("vtc", {"max_model_len": 4096}), ("priority-aging", {}), ("naive", {}),
+    ("vllm-v1", {"kv_reservation": "full", "max_num_seqs": 4}),
+])
+def test_profiles_equal_the_spec(azure, profile, knobs):
+    _same(scale_to_rate(azure, 8.0), profile, **knobs)
+
+
+def test_prefix_groups_eos_stop_tokens_and_aborts_equal_the_spec():
+    """Shared prefixes (hits on blocks registered inside spans), EOS and stop tokens
+    sampled mid-span (given output tokens), aborts, under a flat cost model."""
+    rng = random.Random(3)
+    reqs, t = [], 0.0
+    for i in range(120):
+        kw = {}
+        if i % 7 == 0:
+            kw["output_tokens"] = (40, 41, 2, 43)  # EOS (id 2) as the third token
+        if i % 11 == 0:
+            kw["stop_token_ids"] = (_mix(f"r{i}#out", 9, 1000),)  # its 10th synthetic token stops it
+        reqs.append(TraceRequest(id=f"r{i}", prompt_len=rng.randint(20, 90), max_tokens=rng.randint(5, 60),
+                                 prefix_group=f"g{i % 3}" if i % 2 else None, prefix_len=48, arrival_time=round(t, 4),
+                                 abort_at=400 + i if i % 13 == 0 else None, **kw))
+        t += rng.expovariate(4.0)
+    trace = Trace(config={"profile": "vllm-v1", "block_size": 8, "num_blocks": 200}, requests=reqs, vocab_size=1000)
+    spec, gpu, engine_steps = _same(trace, "vllm-v1", CostModel("flat", fixed_s=0.01, per_kv_token_s=1e-7))
+    assert engine_steps < spec.steps and spec.requests["r0"].outcome == "eos"
+
+
+def test_the_check_catches_a_span_that_is_accounted_wrong(azure, monkeypatch):
+    trace = scale_to_rate(azure, 2.0)
+    config = run_config(trace, parse_profile_spec("vllm-v1"), COST)
+    assert SE.check_run(trace, config, COST, requests=100) > 0
+    real = SE._span_step_ns
+    monkeypatch.setattr(SE, "_span_step_ns", lambda cost, d, kv0, k: real(cost, d, kv0 + 1, k))  # one KV token off
+    with pytest.raises(SE.EngineMismatch, match="differ from the spec's on the first 100 requests"):
+        SE.check_run(trace, config, COST, requests=100)
+
+
+def test_sweep_on_gpu_engine_gives_the_spec_sweeps_metrics(azure):
+    specs = [parse_profile_spec("vllm-v1")]
+    rates = [1.0, 6.0, 30.0]
+    ours = sweep(azure, specs, rates, COST, engine="gpu", check_engine="sampled", stop_after_unbounded=None)
+    theirs = sweep(azure, specs, rates, COST, stop_after_unbounded=None)
+    assert [p.metrics for p in ours] == [p.metrics for p in theirs]
+    assert [p.checked_steps > 0 for p in ours] == [True, False, True]  # lowest and highest rate
+
+
+def test_cli_simulate_engine_gpu_reports_the_check(tmp_path, capsys):
+    code = sim_cli.main(["simulate", str(AZURE), "--first", "150", "--engine", "gpu", "--check-engine", "full",
+                         "--json", str(tmp_path / "m.json")])
+    out = capsys.readouterr()
+    assert code == 0 and "gpu_engine's decisions equal the spec's (full check" in out.err
+    code = sim_cli.main(["simulate", str(AZURE), "--first", "150", "--json", str(tmp_path / "s.json")])
+    capsys.readouterr()
+    import json
+
+    ours, theirs = json.loads((tmp_path / "m.json").read_text()), json.loads((tmp_path / "s.json").read_text())
+    assert code == 0 and ours["metrics"] == theirs["metrics"]
