@@ -53,7 +53,7 @@ Traces and decision logs are JSON lines (schemas: spec/schemas/)."""
 
 ENGINE_HELP = ("engine under test: gpu (the built-in engine, scheduler only), gpu-model (with its model), "
                "reference (the tiny PyTorch model), vllm (vLLM's own scheduler, extra `vllm`), spec, "
-               "or MODULE:FACTORY, a Python callable that returns an engine (e.g. examples.toy_engine:make)")
+               "or MODULE:FACTORY, a callable that makes an engine from a trace, importable from the working directory, e.g. examples.toy_engine:ToyEngine (docs/engine-guide.md)")
 LEVEL_HELP = "what is compared: decisions (batches, admissions, finishes), memory (+ block counts), exact (+ block ids)"
 
 
