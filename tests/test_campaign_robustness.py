@@ -207,7 +207,7 @@ def test_findings_are_saved_when_shrunk_and_duplicates_are_not_shrunk(tmp_path, 
 
     monkeypatch.setattr(campaign._Round, "on_result", on_result)
     outcomes = []
-    cfg = _cfg(tmp_path, traces=32, workers=2)
+    cfg = _cfg(tmp_path, seed=6, traces=32, workers=2)  # seed 6: five traces of its first round share a signature
     state = run_campaign(cfg, on_round=lambda st, outs: outcomes.extend(outs))
     assert state.findings
     # a report existed while later traces of the same round were still coming in
@@ -223,6 +223,19 @@ def test_findings_are_saved_when_shrunk_and_duplicates_are_not_shrunk(tmp_path, 
         assert shrunk == [group[0].index], f"{raw}: only its first trace is shrunk, got {shrunk}"
     first = json.loads(state_path(cfg).read_text())["first_finding"]
     assert first["seconds"] > 0 and 1 <= first["traces"] <= 32
+
+
+def test_findings_and_their_shrinking_do_not_depend_on_the_worker_count(tmp_path):
+    """Which trace of a signature is shrunk is decided in trace order, so 1 and 3 workers agree
+    on every finding: its count, its example, the traces it was first seen in."""
+    runs = []
+    for workers in (1, 3):
+        outcomes = []
+        state = run_campaign(_cfg(tmp_path / str(workers), seed=6, traces=32, workers=workers),
+                             on_round=lambda st, outs: outcomes.extend(outs))
+        shrunk = sorted(o.index for o in outcomes if o.shrunk is not None)
+        runs.append((state.traces, state.covered, state.findings, shrunk))
+    assert runs[0][2] and runs[0] == runs[1]
 
 
 def test_max_findings_stops_the_campaign_with_the_same_findings_for_any_worker_count(tmp_path):
