@@ -198,11 +198,11 @@ def test_an_engine_log_the_writer_cannot_render_does_not_end_the_campaign(tmp_pa
 
 
 def test_findings_are_saved_when_shrunk_and_duplicates_are_not_shrunk(tmp_path, monkeypatch):
-    seen_during_round = []
+    seen = []  # (round, a report already exists) at each outcome's arrival
     real = campaign._Round.on_result
 
     def on_result(self, outcome):
-        seen_during_round.append(any(Path(self.cfg.corpus).glob("*.md")))
+        seen.append((self.state.next_round, any(Path(self.cfg.corpus).glob("*.md"))))
         return real(self, outcome)
 
     monkeypatch.setattr(campaign._Round, "on_result", on_result)
@@ -210,9 +210,10 @@ def test_findings_are_saved_when_shrunk_and_duplicates_are_not_shrunk(tmp_path, 
     cfg = _cfg(tmp_path, seed=6, traces=32, workers=2)  # seed 6: five traces of its first round share a signature
     state = run_campaign(cfg, on_round=lambda st, outs: outcomes.extend(outs))
     assert state.findings
-    # a report existed while later traces of the same round were still coming in
-    assert any(seen_during_round[:16]) or any(seen_during_round[16:])
-    assert seen_during_round.count(True) > 0 and not all(seen_during_round)
+    first_round = state.first_finding["trace"] // campaign.ROUND
+    # the first report existed while later traces of its own round were still arriving (not written at the merge)
+    assert any(r == first_round and has_report for r, has_report in seen)
+    assert not seen[0][1]
     by_raw: dict = {}
     for o in sorted(outcomes, key=lambda o: o.index):
         if o.raw_signature is not None:
