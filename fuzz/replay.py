@@ -88,6 +88,8 @@ def _import_factory(spec: str) -> EngineFactory:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise EngineUnavailable(f"engine {spec!r}: cannot import {module_name!r}: {exc}") from exc
+    except Exception as exc:  # a module that raises (or does not compile) when imported: not a finding either
+        raise EngineUnavailable(f"engine {spec!r}: importing {module_name!r} raised {raised_at(exc)}") from exc
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise EngineUnavailable(f"engine {spec!r}: {module_name} has no callable {attr!r}")
@@ -107,11 +109,20 @@ def make_engine(name: str, trace: Trace) -> Engine:
     if name not in ENGINES:
         raise EngineUnavailable(f"unknown engine {name!r} (known: {', '.join(sorted(ENGINES))})")
     try:
-        return ENGINES[name].factory(trace)
+        engine = ENGINES[name].factory(trace)
     except (EngineUnavailable, EngineConfigError):
         raise
     except Exception as e:
         raise EngineBuildError(f"engine {name!r} could not be constructed: {raised_at(e)}") from e
+    missing = [m for m in ENGINE_METHODS if not callable(getattr(engine, m, None))]
+    if missing:
+        raise EngineBuildError(f"engine {name!r}: its factory returned {type(engine).__name__}, not an engine "
+                               f"(no {', '.join(missing)}; see spec.protocol.Engine)")
+    return engine
+
+
+#: What the harness calls on an engine (:class:`spec.protocol.Engine`).
+ENGINE_METHODS = ("add_request", "abort_request", "step", "has_unfinished_requests")
 
 
 def raised_at(e: BaseException) -> str:

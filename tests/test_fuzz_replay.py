@@ -230,3 +230,18 @@ def test_an_engine_whose_constructor_raises_is_not_a_finding():
             replay(random_trace(0), "broken-ctor")
     finally:
         del ENGINES["broken-ctor"]
+
+
+def test_a_factory_that_returns_no_engine_or_a_module_that_raises_on_import_is_not_a_finding(tmp_path, monkeypatch):
+    from fuzz.replay import EngineBuildError
+
+    register_engine("not-an-engine", lambda trace: "a string")
+    try:
+        with pytest.raises(EngineBuildError, match="not an engine .*step"):
+            replay(random_trace(0), "not-an-engine")
+    finally:
+        del ENGINES["not-an-engine"]
+    (tmp_path / "raises_on_import.py").write_text("raise RuntimeError('broken at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(EngineUnavailable, match="broken at import"):
+        make_engine("raises_on_import:factory", random_trace(0))
