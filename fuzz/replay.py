@@ -301,11 +301,27 @@ def _limit(spec_at: int | None, eng_at: int | None, engine: str) -> Divergence |
     return Divergence(step, "termination", what(spec_at), what(eng_at), kind=NON_TERMINATION, engine=engine)
 
 
-def _same(spec: StepRecord | None, engine: StepRecord | None, fields: Callable[[StepRecord], tuple]) -> bool:
-    """Both records exist and every compared field is equal as stored: then they agree, and the
+def _same(spec: StepRecord | None, engine: StepRecord | None, fields: Callable[[StepRecord], tuple],
+          optional: tuple[str, ...]) -> bool:
+    """Both records exist, every compared field is equal as stored, and every optional state field
+    (:func:`fuzz.diff.state_fields_at`) is equal or not logged by one side: then they agree, and the
     full comparison (:func:`fuzz.diff.first_divergence`, which also knows that an absent memory
     field means empty and compares ``sampled`` by its keys) is not needed — the common case."""
-    return spec is not None and engine is not None and fields(spec) == fields(engine)
+    if spec is None or engine is None or fields(spec) != fields(engine):
+        return False
+    for name in optional:
+        a, b = getattr(spec, name, None), getattr(engine, name, None)
+        if a is not None and b is not None and a != b:
+            return False
+    return True
+
+
+def _optional_fields(level: str) -> tuple[str, ...]:
+    """The optional state fields the diff compares at ``level`` when both logs carry them."""
+    import fuzz.diff
+
+    state_fields_at = getattr(fuzz.diff, "state_fields_at", None)
+    return tuple(state_fields_at(level)) if state_fields_at else ()
 
 
 def _lock_step(trace: Trace, eng, name: str, level: str, t0: float, after: int | None) -> ReplayResult:
@@ -319,6 +335,7 @@ def _lock_step(trace: Trace, eng, name: str, level: str, t0: float, after: int |
     if level not in LEVELS:
         raise ValueError(f"unknown level {level!r} (known: {', '.join(LEVELS)})")
     names = operator.attrgetter(*fields_at(level))  # the compared fields of a record, as one tuple
+    optional = _optional_fields(level)
     fed = FedSpec(SpecEngine.from_trace(trace), [])
     spec = Stepper(fed, trace)
     eng_recs: list[StepRecord] = []
@@ -363,7 +380,7 @@ def _lock_step(trace: Trace, eng, name: str, level: str, t0: float, after: int |
                 found = found or _raised("spec", err, name)
                 break
         s_rec = spec_recs[-1] if spec_recs and spec_recs[-1].step == k else None
-        if found is None and not _same(s_rec, e_rec, names):
+        if found is None and not _same(s_rec, e_rec, names, optional):
             found = first_divergence([s_rec] if s_rec else [], [e_rec] if e_rec else [], level, engine=name)
             if found is not None:
                 if after is not None:
