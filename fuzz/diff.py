@@ -12,13 +12,21 @@ are the engine's output, which the spec adopts in a differential run.
 The report (:class:`Divergence`) carries both values and the spec's own reason
 for its value: the rule id and text from the spec record's ``reasons``, for
 the request the two sides disagree about when there is one.
+
+The optional state fields (:data:`spec.formats.STATE_FIELDS`: computed tokens,
+VTC counters, the estimate admission's remaining tokens, prefix-cache
+registrations and hit blocks) are compared too, at each step after the level's
+own fields, whenever both logs carry them: a bug in that state then shows at
+the step where the state first differed, named by the rule that defines it,
+instead of at the later decision it spoils.  Floats (counters, the estimate)
+are equal within a relative 1e-9.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from spec.formats import LEVEL_FIELDS, LEVELS, StepRecord, fields_at
+from spec.formats import LEVEL_FIELDS, LEVELS, STATE_FIELDS, StepRecord, fields_at
 
 #: Kinds of divergence.
 DECISION = "decision"  # a field of one step record differs
@@ -144,6 +152,51 @@ def _rid(item: Any) -> str | None:
     return None
 
 
+#: The rule that defines each state field's value, named when the step's reasons cite none.
+STATE_RULES = {
+    "computed": "BUDGET.TOKENS",
+    "vtc_counters": "VTC.CHARGE",
+    "estimate_rem": "ESTIMATE.ADMIT",
+    "cache_registered": "CACHE.REGISTER_AT_ALLOCATION",
+    "hit_blocks": "CACHE.HIT",
+}
+_FLOAT_FIELDS = ("vtc_counters", "estimate_rem")
+
+
+def state_fields_at(level: str) -> tuple[str, ...]:
+    """The optional state fields compared at ``level`` (when both logs carry them)."""
+    return tuple(name for name, lowest in STATE_FIELDS.items() if LEVELS.index(level) >= LEVELS.index(lowest))
+
+
+def _close(a: Any, b: Any) -> bool:
+    """Equal, floats within a relative 1e-9 (engines may sum in another order)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return abs(a - b) <= 1e-9 * max(1.0, abs(a), abs(b))
+    return a == b
+
+
+def _state_divergence(step: int, s: StepRecord | None, e: StepRecord | None, level: str, engine: str) -> Divergence | None:
+    """The first state field both records carry and that differs, or None."""
+    if s is None or e is None:
+        return None  # an idle step on one side: its state was not written
+    for name in state_fields_at(level):
+        a, b = getattr(s, name), getattr(e, name)
+        if a is None or b is None or (_close(a, b) if name in _FLOAT_FIELDS else _plain(a) == _plain(b)):
+            continue
+        request = _involved(name, a, b) if name not in ("vtc_counters", "estimate_rem") else None
+        rule, text, context = spec_reason(s, request, name)
+        families = _FAMILIES[name]
+        if request is None:  # a per-tenant or per-step figure: the step's first reason of its family
+            cited = next((r for r in context if str(r.get("rule", "")).startswith(families)), None)
+            rule, text = (cited.get("rule"), cited.get("text")) if cited else (None, None)
+        if rule is None or not rule.startswith(families):
+            rule, text = STATE_RULES[name], f"the spec's {name} after step {step} (no reason of this rule recorded)"
+        return Divergence(step, name, _plain(a), _plain(b), request, rule, text, DECISION, engine, context)
+    return None
+
+
 #: Rule-id families that explain each field, best first.
 _FAMILIES = {
     "scheduled": ("RUN.", "ADMIT.", "BUDGET.", "PREEMPT.", "KV.", "CACHE."),
@@ -155,6 +208,11 @@ _FAMILIES = {
     "rejected": ("REJECT.", "ARRIVE."),
     "sampled": ("SAMPLE.", "RUN.", "ADMIT.", "STOP."),
     "cache_hits": ("CACHE.", "ADMIT."),
+    "computed": ("RUN.", "ADMIT.", "BUDGET.", "CACHE."),
+    "vtc_counters": ("VTC.",),
+    "estimate_rem": ("ESTIMATE.",),
+    "cache_registered": ("CACHE.",),
+    "hit_blocks": ("CACHE.",),
 }
 
 
@@ -208,4 +266,7 @@ def first_divergence(spec_records: Iterable[StepRecord], engine_records: Iterabl
                 request = _involved(name, a, b)
             rule, text, context = spec_reason(s, request, name)
             return Divergence(step, name, a, b, request, rule, text, DECISION, engine, context)
+        state = _state_divergence(step, s, e, level, engine)
+        if state is not None:
+            return state
     return None

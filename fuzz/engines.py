@@ -16,7 +16,7 @@ from spec.protocol import Engine
 def _gpu(trace: Trace) -> Engine:
     from gpu_engine.engine import GpuEngine
 
-    return GpuEngine.from_trace(trace)
+    return GpuEngine.from_trace(trace, log_state=True)  # state fields: a report names the cause
 
 
 def _gpu_model(trace: Trace) -> Engine:

@@ -84,6 +84,10 @@ class GpuEngine:
     ``use_numpy=False`` runs the scheduler's array code as torch ops even on CPU
     (the CUDA code path, testable without a GPU); the default uses numpy views
     on CPU and torch on CUDA.
+    ``log_state=True`` also logs the optional state fields (``spec.formats.STATE_FIELDS``:
+    computed tokens, VTC counters, the estimate's rem, cache registrations, hit blocks),
+    each from this engine's own arrays, for the differ to compare (off by default: it
+    costs host work every step).
 
     ``prompt_cache`` (a dict the caller keeps, e.g. one per simulator process):
     synthesized prompts and their block-hash chains, shared by every engine given

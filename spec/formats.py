@@ -226,6 +226,12 @@ class StepRecord:
     evicted: list[int] | None = None
     # written by the spec only: why each decision was made
     reasons: list[dict[str, Any]] | None = None
+    # optional state where bugs hide, written when the engine logs it (see STATE_FIELDS)
+    computed: dict[str, int] | None = None  # running request -> num_computed_tokens, end of step
+    vtc_counters: dict[str, float] | None = None  # policy="vtc": tenant -> virtual token counter, end of step
+    estimate_rem: float | None = None  # admission="estimate": rem_total_tokens as the admission round began
+    cache_registered: dict[str, list[int]] | None = None  # request -> block ordinals registered in the prefix cache
+    hit_blocks: dict[str, list[int]] | None = None  # admitted request -> ids of its prefix-hit blocks
 
     def to_json(self, level: str = "exact") -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -255,6 +261,11 @@ class StepRecord:
         if LEVELS.index(level) >= 2 and self.block_ids is not None:
             out["block_ids"] = {r: list(b) for r, b in self.block_ids.items()}
             out["evicted"] = list(self.evicted or [])
+        for name, lowest in STATE_FIELDS.items():
+            value = getattr(self, name)
+            if value is not None and LEVELS.index(level) >= LEVELS.index(lowest):
+                out[name] = {k: list(v) if isinstance(v, list) else v for k, v in value.items()} \
+                    if isinstance(value, dict) else value
         if self.reasons is not None:
             out["reasons"] = self.reasons
         return out
@@ -282,6 +293,11 @@ class StepRecord:
             block_ids=obj.get("block_ids"),
             evicted=obj.get("evicted"),
             reasons=obj.get("reasons"),
+            computed=obj.get("computed"),
+            vtc_counters=obj.get("vtc_counters"),
+            estimate_rem=obj.get("estimate_rem"),
+            cache_registered=obj.get("cache_registered"),
+            hit_blocks=obj.get("hit_blocks"),
         )
 
     def level(self) -> str:
@@ -303,6 +319,20 @@ LEVEL_FIELDS = {
                   "swapped_out", "swapped_in"),
     "memory": ("num_free_blocks", "blocks", "cache_hits", "num_evicted", "num_free_cpu_blocks", "new_token_ratio"),
     "exact": ("block_ids", "evicted"),
+}
+
+
+#: Optional state fields (issue 18): the lowest level whose logs carry each.  An engine may
+#: leave any of them out; the differ compares one only when both logs carry it, after the
+#: level's own fields, so a divergence shows at the first step where any compared state
+#: differed.  ``cache_registered`` names blocks by ordinal (position in the request), which
+#: engines share; ``hit_blocks`` names block ids, which only the exact level compares.
+STATE_FIELDS = {
+    "computed": "decisions",
+    "vtc_counters": "decisions",
+    "estimate_rem": "memory",
+    "cache_registered": "memory",
+    "hit_blocks": "exact",
 }
 
 

@@ -274,6 +274,8 @@ class KVCacheManager:
         self.pool = BlockPool(cfg)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
+        #: request -> ordinals of the blocks it registered since ``take_registered`` (None: not logged)
+        self.registered: dict[str, list[int]] | None = None
         if cfg.cache_register == "computed":  # the scheduler registers blocks after the step instead
             self.register_allocated = _not_yet
 
@@ -364,6 +366,13 @@ class KVCacheManager:
         for i in range(start, end):
             self.pool.cache_full_block(table[i], req.block_hashes[i])
         self.num_cached_block[req.request_id] = max(start, end)
+        if self.registered is not None:  # the decision log's optional cache_registered field
+            self.registered.setdefault(req.request_id, []).extend(range(start, end))
+
+    def take_registered(self) -> dict[str, list[int]]:
+        """The registrations since the last call (for the step record), and start afresh."""
+        out, self.registered = self.registered or {}, {}
+        return out
 
     @rule("CACHE.REGISTER_WHEN_COMPUTED", knobs=("cache_register",))
     def register_computed(self, req: SequenceLike) -> None:

@@ -136,6 +136,8 @@ class SchedulerOutput:
     swapped_in: list[str] = field(default_factory=list)  # the resumed ones that were swapped in
     cache_hits: dict[str, int] = field(default_factory=dict)
     reasons: list[dict] = field(default_factory=list)
+    hit_blocks: dict[str, list[int]] = field(default_factory=dict)  # admitted request -> its prefix-hit block ids
+    estimate_rem: float | None = None  # admission="estimate": rem_total_tokens as the admission round began
 
     @property
     def samplers(self) -> list[str]:
@@ -610,6 +612,9 @@ class SpecEngine:
     is None, and the per-step RUN.* / BUDGET.EXHAUSTED reasons are not even
     built); ``prompt_cache`` (a dict the caller keeps across engines) re-uses
     each synthesized prompt and its block hashes instead of rebuilding them.
+    ``record_state`` (default: as ``record_reasons``) writes the optional state fields
+    of :data:`spec.formats.STATE_FIELDS` (computed tokens, VTC counters, the estimate's
+    remaining tokens, cache registrations and hit blocks), which the differ compares.
     """
 
     name = "spec"
@@ -624,6 +629,7 @@ class SpecEngine:
         record_level: str = "exact",
         record_reasons: bool = True,
         prompt_cache: dict | None = None,
+        record_state: bool | None = None,
     ):
         if record_level not in LEVELS:
             raise ValueError(f"record_level must be one of {', '.join(LEVELS)}, got {record_level!r}")
@@ -636,6 +642,9 @@ class SpecEngine:
         self.record_reasons = record_reasons
         self.prompt_cache = prompt_cache
         self.kv = KVCacheManager(config)
+        self.record_state = record_reasons if record_state is None else record_state
+        if self.record_state:
+            self.kv.registered = {}
         self.clock = 0  # steps executed so far: the number of the step being scheduled
         self.waiting = make_queue(config.policy, config.aging_steps, self._now, config.weights())
         self.vtc = config.policy == "vtc"
@@ -1001,6 +1010,8 @@ class SpecEngine:
             st.start[rid] = hit
             st.scheduled[rid] = n
             out.cache_hits[rid] = hit
+            if hit and self.record_state:
+                out.hit_blocks[rid] = [b.block_id for b in hit_blocks]
             budget -= n
             for on_schedule in self.on_schedule:
                 on_schedule(req, hit, n)
@@ -1034,6 +1045,7 @@ class SpecEngine:
         if st.rem is None:
             ratio = self.new_token_ratio
             st.rem = self.kv.pool.num_free_blocks * bs - sum(ratio * remaining_output(r, cfg) for r in self.running)
+            st.out.estimate_rem = st.rem
         need = remaining + remaining_output(req, cfg) + bs
         if not estimate_admits(need, st.rem):
             st.out.reasons.append(reason("ESTIMATE.ADMIT", req.request_id,
@@ -1219,6 +1231,8 @@ class SpecEngine:
         )
         if out.swapped_out or out.swapped_in:
             record.swapped_out, record.swapped_in = out.swapped_out, out.swapped_in
+        if self.record_state:
+            self._record_state(record, out)
         if self.record_level == "decisions":
             return record
         tables = self.kv.req_blocks
@@ -1233,6 +1247,20 @@ class SpecEngine:
             record.block_ids = {rid: [b.block_id for b in t] for rid, t in held}
             record.evicted = evicted
         return record
+
+    def _record_state(self, record: StepRecord, out: SchedulerOutput) -> None:
+        """The optional state fields (spec.formats.STATE_FIELDS) up to ``record_level``: the
+        state a bug corrupts before any decision shows it."""
+        record.computed = {r.request_id: r.num_computed_tokens for r in self.running}
+        if self.vtc:
+            record.vtc_counters = dict(self.waiting.counters)
+        registered = self.kv.take_registered()
+        if self.record_level == "decisions":
+            return
+        record.estimate_rem = out.estimate_rem
+        record.cache_registered = registered if self.config.enable_prefix_caching else None
+        if self.record_level == "exact":
+            record.hit_blocks = out.hit_blocks
 
 
 def run(trace: Trace, check_invariants: bool = False, trace_queue: bool = False, on_step=None) -> list[StepRecord]:

@@ -119,3 +119,153 @@ def test_fields_compared_are_the_levels_fields():
     assert fields_at("exact")[-2:] == ("block_ids", "evicted")
     with pytest.raises(ValueError):
         first_divergence([], [], "everything")
+
+
+# -- optional state fields (issue 18): compared when both logs carry them ---------------------------
+
+from fuzz.diff import state_fields_at  # noqa: E402
+from spec.formats import STATE_FIELDS  # noqa: E402
+from spec.protocol import drive  # noqa: E402
+from spec.scheduler import SpecEngine  # noqa: E402
+
+
+def _state_log(trace, level="exact", **kw):
+    return drive(SpecEngine.from_trace(trace, record_level=level, **kw), trace, 100_000)
+
+
+def _first_seed(want, **options):
+    for seed in range(200):
+        trace = random_trace(seed, **options)
+        if want(_state_log(trace)):
+            return trace
+    raise AssertionError("no suitable trace in 200 seeds")
+
+
+def test_the_spec_logs_each_state_field_at_its_level():
+    trace = _first_seed(lambda rs: any(r.cache_registered for r in rs) and any(r.hit_blocks for r in rs),
+                        enable_prefix_caching=True, prefix_groups=True)
+    for level in ("decisions", "memory", "exact"):
+        for rec in _state_log(trace, level):
+            for name in STATE_FIELDS:
+                if name in ("vtc_counters", "estimate_rem"):
+                    continue  # only under policy=vtc / admission=estimate
+                carried = rec.to_json(level).get(name) is not None
+                assert carried == (name in state_fields_at(level)), (level, name)
+    assert all(r.computed is None for r in _state_log(trace, record_reasons=False))  # the simulator's fast mode
+
+
+def _with_computed(records, value=None):
+    out = copy.deepcopy(records)
+    for rec in out:
+        rec.computed = None if value is None else {rid: value for rid, _ in rec.scheduled}
+    return out
+
+
+def test_a_state_field_is_compared_only_when_both_logs_carry_it(records):
+    engine = _with_computed(records, 10**6)
+    assert first_divergence(_with_computed(records), engine, "exact") is None
+    assert first_divergence(_with_computed(records, 1), engine, "exact").field == "computed"
+
+
+def test_floats_are_equal_within_a_relative_tolerance(records):
+    spec_side, engine = copy.deepcopy(records), copy.deepcopy(records)
+    spec_side[0].vtc_counters, engine[0].vtc_counters = {"a": 0.1 + 0.2}, {"a": 0.3}
+    assert first_divergence(spec_side, engine, "decisions") is None
+    engine[0].vtc_counters = {"a": 0.3001}
+    d = first_divergence(spec_side, engine, "decisions")
+    assert (d.step, d.field, d.rule) == (spec_side[0].step, "vtc_counters", "VTC.CHARGE")
+
+
+def test_memory_state_is_not_compared_at_the_decisions_level(records):
+    spec_side, engine = copy.deepcopy(records), copy.deepcopy(records)
+    spec_side[1].estimate_rem, engine[1].estimate_rem = 12.0, 13.0
+    spec_side[1].cache_registered, engine[1].cache_registered = {"x": [0]}, {"x": [1]}
+    assert first_divergence(spec_side, engine, "decisions") is None
+    d = first_divergence(spec_side, engine, "memory")
+    assert (d.field, d.rule) == ("estimate_rem", "ESTIMATE.ADMIT")
+
+
+def test_a_state_difference_is_reported_at_its_own_earlier_step(records):
+    """The state differs at step k, a decision only later: the report names step k and the
+    rule behind the spec's value; a decision difference in the same step still comes first."""
+    engine = copy.deepcopy(records)
+    k = _first_busy(engine, lambda r: len(r.scheduled) > 0)
+    rid = engine[k].scheduled[0][0]
+    engine[k].computed = {**(engine[k].computed or {}), rid: 10**6}
+    engine[-1].scheduled = engine[-1].scheduled[1:] + [("ghost", 1)]
+    d = first_divergence(records, engine, "exact")
+    assert (d.step, d.field, d.request) == (engine[k].step, "computed", rid)
+    assert d.rule.split(".")[0] in ("RUN", "ADMIT", "BUDGET", "CACHE")
+    engine[k].scheduled = [("ghost", 1)] + engine[k].scheduled
+    assert first_divergence(records, engine, "exact").field == "scheduled"
+
+
+# -- gpu_engine logs the same state from its own arrays; planted bugs surface at their cause --------
+
+gpu = pytest.importorskip("gpu_engine.engine", reason="gpu_engine needs torch")
+
+
+def _gpu_log(trace, level="exact"):
+    return drive(gpu.GpuEngine.from_trace(trace, level=level, log_state=True), trace, 100_000)
+
+
+@pytest.mark.parametrize("profile", ["vllm-v1", "vtc", "sglang", "vllm-v0-swap", "priority-aging"])
+def test_gpu_engine_state_agrees_with_the_spec(profile):
+    compared = set()
+    for seed in range(8):
+        trace = random_trace(seed, profile=profile)
+        for level in ("decisions", "exact"):
+            gpu_records = _gpu_log(trace, level)
+            assert first_divergence(_state_log(trace, level), gpu_records, level, "gpu") is None
+            compared |= {name for r in gpu_records for name in STATE_FIELDS if getattr(r, name)}
+    assert "computed" in compared
+    assert {"vtc": "vtc_counters", "sglang": "estimate_rem", "vllm-v1": "cache_registered"}.get(profile, "computed") in compared
+
+
+def _divergences(trace, monkeypatch, owner, name, replacement):
+    """The first divergence of gpu_engine with ``owner.name`` replaced: with the state
+    fields in its log, and with them left out (what the report showed before)."""
+    monkeypatch.setattr(owner, name, replacement)
+    spec_records, gpu_records = _state_log(trace), _gpu_log(trace)
+    with_state = first_divergence(spec_records, gpu_records, "exact", "gpu")
+    bare = copy.deepcopy(gpu_records)
+    for rec in bare:
+        for field_name in STATE_FIELDS:
+            setattr(rec, field_name, None)
+    return with_state, first_divergence(spec_records, bare, "exact", "gpu")
+
+
+def test_a_vtc_charge_bug_is_named_at_the_charge(monkeypatch):
+    import numpy as np
+
+    from gpu_engine.fairness import TenantCounters
+
+    original = TenantCounters.charge
+
+    def outputs_at_input_price(self, tenants, prompt_len, start, n):
+        original(self, tenants, prompt_len, start, n)
+        if len(tenants):
+            out = n - np.clip(prompt_len - start, 0, n)
+            np.add.at(self.counter, tenants, -(self.output_price - self.input_price) * out / self.weight[tenants])
+
+    trace = _first_seed(lambda rs: any(r.vtc_counters and len(r.vtc_counters) > 1 for r in rs), profile="vtc")
+    with_state, bare = _divergences(trace, monkeypatch, TenantCounters, "charge", outputs_at_input_price)
+    assert with_state is not None and with_state.field == "vtc_counters" and with_state.rule.startswith("VTC.")
+    assert bare is None or bare.step >= with_state.step
+
+
+def test_a_late_cache_registration_is_named_at_the_registration(monkeypatch):
+    from gpu_engine.scheduler import Scheduler
+
+    original = Scheduler._cache_blocks
+
+    def second_block_late(self, slots, upto_tokens):  # a request's second block is cached a step late
+        upto = upto_tokens.copy() if hasattr(upto_tokens, "copy") else upto_tokens.clone()
+        upto[(upto // self.bs) == 2] = self.bs
+        original(self, slots, upto)
+
+    trace = _first_seed(lambda rs: any(1 in ordinals for r in rs for ordinals in (r.cache_registered or {}).values()),
+                        profile="vllm-v1", prefix_groups=True)
+    with_state, bare = _divergences(trace, monkeypatch, Scheduler, "_cache_blocks", second_block_late)
+    assert with_state is not None and with_state.field == "cache_registered" and with_state.rule.startswith("CACHE.")
+    assert bare is None or bare.step >= with_state.step
