@@ -138,7 +138,7 @@ def cmd_run(args) -> int:
         write_log(DecisionLog("spec", "exact", records, trace=trace.source, config=trace.config), args.log)
     if not args.quiet:
         title = f"{trace.name or Path(trace.source).name} — profile {trace.config.get('profile')}"
-        console.print(step_table(records, title=title, max_rows=args.max_rows))
+        console.print(step_table(records, title=title, max_rows=args.max_rows, width=console.width))
         console.print(outcome_table(trace, records))
     if args.log:
         console.print(f"decision log with reasons written to {args.log}")
@@ -288,7 +288,8 @@ def cmd_generate(args) -> int:
         err_console.print(f"[red]error:[/] {e}", highlight=False)
         return BAD_INPUT
     if not args.quiet:
-        console.print(step_table(result.records, title=f"reference engine — {Path(args.trace).name}", max_rows=args.max_rows))
+        console.print(step_table(result.records, title=f"reference engine — {Path(args.trace).name}", max_rows=args.max_rows,
+                                 width=console.width))
     console.print(format_outputs(result), highlight=False)
     console.print(format_summary(result), highlight=False)
     return 0

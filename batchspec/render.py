@@ -7,16 +7,47 @@ from rich.table import Table
 from spec.formats import StepRecord, Trace
 
 
-def readable(table: Table, compact: bool = False) -> Table:
+def readable(table: Table, compact: bool = False, width: int | None = None) -> Table:
     """Nothing is cut off in a narrow terminal (80 columns): every cell folds onto more
     lines instead of ending in "…".  ``compact`` drops the outer padding and heavy box
-    of wide tables, leaving more room for their numbers."""
+    of wide tables, leaving more room for their numbers; with ``width`` the columns are
+    laid out to wrap between words (:func:`keep_words_whole`)."""
     for column in table.columns:
         column.overflow = "fold"
     if compact:
         table.box = box.SIMPLE_HEAVY
         table.pad_edge = False
         table.collapse_padding = True
+        table.show_edge = False
+    return keep_words_whole(table, width)
+
+
+def keep_words_whole(table: Table, width: int | None) -> Table:
+    """Lay the columns out for a ``width``-column terminal so that cells wrap between words
+    (``A(max_tokens)`` stays whole) rather than inside them.
+
+    Starting from each column's natural width, the column with the most room above its
+    longest word (header included) gives up one character at a time until the table fits;
+    only when every column is down to its longest word does the widest one fold a word.
+    """
+    if not width:
+        return table
+    budget = width - table._extra_width - sum(table._get_padding_width(i) for i in range(len(table.columns)))
+    from rich.text import Text
+
+    lows, widths = [], []
+    for i, column in enumerate(table.columns):
+        cells = [Text.from_markup(str(cell)).plain for cell in column._cells] + [str(column.header)]
+        lows.append(max((len(w) for c in cells for w in c.split()), default=1))
+        widths.append(max((len(c) for c in cells), default=1))
+    if sum(widths) <= budget or len(widths) > budget:
+        return table
+    while sum(widths) > budget:
+        slack = [w - lo for w, lo in zip(widths, lows)]
+        i = slack.index(max(slack)) if max(slack) > 0 else widths.index(max(widths))
+        widths[i] -= 1
+    for column, w in zip(table.columns, widths):
+        column.width = w
     return table
 
 
@@ -33,9 +64,10 @@ def _ids(items) -> str:
     return " ".join(i if isinstance(i, str) else f"{i[0]}({i[1]})" for i in items) or ""
 
 
-def step_table(records: list[StepRecord], title: str | None = None, max_rows: int | None = None) -> Table:
+def step_table(records: list[StepRecord], title: str | None = None, max_rows: int | None = None,
+               width: int | None = None) -> Table:
     """One row per executed step: batch, admissions, preemptions, finishes, free blocks."""
-    table = Table(title=title, box=box.SIMPLE_HEAVY, show_lines=False, pad_edge=False)
+    table = Table(title=title, box=box.SIMPLE_HEAVY, show_lines=False, pad_edge=False, collapse_padding=True, show_edge=False)
     for name, style in (("step", "bold"), ("batch", ""), ("admitted", "green"),
                         ("preempted", "red"), ("finished", "cyan"), ("aborted/ rejected", "magenta"), ("free", "")):
         table.add_column(name, style=style, justify="right" if name in ("step", "free") else "left", overflow="fold")
@@ -45,6 +77,7 @@ def step_table(records: list[StepRecord], title: str | None = None, max_rows: in
         gone = " ".join(r.aborted + [f"{x}({why})" for x, why in r.rejected])
         free = "" if r.num_free_blocks is None else str(r.num_free_blocks)
         table.add_row(str(r.step), batch_cell(r), admitted, _ids(r.preempted), _ids(r.finished), gone, free)
+    keep_words_whole(table, width)
     table.caption = "batch: id:tokens, p = prefill chunk, d = decode; free: free blocks after the step"
     table.caption_justify = "left"
     if max_rows is not None and len(records) > max_rows:

@@ -495,7 +495,7 @@ def cmd_sweep(args) -> int:
         table.add_row(p.profile, f"{p.rate:g}", f"{m.ttft.p50:.3g}", f"{m.ttft.p95:.3g}", f"{m.ttft.p99:.3g}",
                       f"{m.tpot.p99 * 1000:.1f}", f"{m.request_throughput:.3g}", f"{m.goodput:.3g}" if m.goodput is not None else "-",
                       f"{m.preemptions:,}", growth)
-    console.print(readable(table, compact=True))
+    console.print(readable(table, compact=True, width=console.width))
     for profile, rates_ in skipped.items():
         console.print(f"[dim]{profile}: not run at {', '.join(rates_)}/s (beyond its capacity boundary; --all-rates runs them)[/]")
     caps = capacity(points, args.slo_ttft)
@@ -512,7 +512,7 @@ def cmd_sweep(args) -> int:
         unbounded = f"{c.unbounded_rate:g}/s (bounded at {c.last_bounded_rate:g})" if c.unbounded_rate and c.last_bounded_rate else \
             (f"{c.unbounded_rate:g}/s (lowest rate)" if c.unbounded_rate else "not in range")
         ct.add_row(name, crossing, unbounded, f"{c.capacity_estimate:.3g}/s" if c.capacity_estimate else "-")
-    console.print(readable(ct, compact=True))
+    console.print(readable(ct, compact=True, width=console.width))
     cpu = sum(p.cpu_s for p in points)
     runs = sum(1 for p in points if p.metrics is not None)
     console.print(f"{runs} simulations in {wall:,.0f} s wall ({cpu:,.0f} s of simulation CPU time, {args.jobs or os.cpu_count()} workers)")

@@ -150,6 +150,7 @@ def test_tables_stay_whole_in_80_columns(tmp_path):
         outputs[name] = proc.stdout
     step_header = next(line for line in outputs["run"].splitlines() if "step" in line and "batch" in line)
     assert "free" in step_header
+    assert "A(max_tokens)" in outputs["run"] and "F(prompt_too_long)" in outputs["run"]  # wrapped between words, not inside
     assert "growth" in outputs["sweep"] and "preempt" in outputs["sweep"]  # the last columns are still there
 
 
