@@ -104,20 +104,33 @@ class Shrinker:
     # -- 2. each request -------------------------------------------------
 
     def simplify_requests(self, trace: Trace) -> Trace:
+        """Each request in turn: the first (smallest) candidate that still fails is taken, and the
+        candidates are drawn again from the request it leaves — a later candidate made from the
+        request as it was would undo the reduction just accepted."""
         for i in range(len(trace.requests)):
-            for smaller in _smaller_requests(trace, i):
-                candidate = _with(trace, trace.requests[:i] + [smaller] + trace.requests[i + 1:])
-                if self.accept(candidate):
-                    trace = candidate
+            progress = True
+            while progress and not self.out_of_time():
+                progress = False
+                for smaller in _smaller_requests(trace, i):
+                    candidate = _with(trace, trace.requests[:i] + [smaller] + trace.requests[i + 1:])
+                    if self.accept(candidate):
+                        trace, progress = candidate, True
+                        break
         return trace
 
     # -- 3. configuration ----------------------------------------------------
 
     def simplify_config(self, trace: Trace) -> Trace:
-        cfg = resolve(trace.config)
-        for knob, value in _smaller_configs(cfg):
-            if self.accept(_with(trace, **{knob: value})):
-                trace = _with(trace, **{knob: value})
+        """Knob by knob, smallest candidate first; after each reduction the candidates are drawn
+        again from the configuration it leaves (as for requests)."""
+        progress = True
+        while progress and not self.out_of_time():
+            progress = False
+            for knob, value in _smaller_configs(resolve(trace.config)):
+                candidate = _with(trace, **{knob: value})
+                if self.accept(candidate):
+                    trace, progress = candidate, True
+                    break
         return trace
 
     # -- 4. cosmetics ----------------------------------------------------------

@@ -61,3 +61,17 @@ def test_corpus_saves_once_per_signature_and_replays(tmp_path):
     log = load_log(log_path(tmp_path, result.engine, slug(sig)))
     assert not replay_records(saved, log.records).agreed
     assert replay(saved, "spec").agreed
+
+
+def test_each_reduction_is_kept_and_the_next_candidates_start_from_it():
+    """A failure that needs max_tokens >= 7 and a prompt of >= 5 tokens: the shrinker lands on
+    exactly those values in a few dozen tries (a candidate drawn from the request as it was
+    before a reduction would undo it, and the shrinker would then creep down one token a pass)."""
+    from spec.formats import Trace, TraceRequest
+
+    trace = Trace(config={"profile": "vllm-v1", "num_blocks": 64, "block_size": 4},
+                  requests=[TraceRequest(id="A", arrival_step=0, prompt_len=60, max_tokens=50)])
+    fails = lambda t: any(r.max_tokens >= 7 and r.prompt_len >= 5 for r in t.requests)
+    small, tries = shrink(trace, fails, max_tries=80)
+    (req,) = small.requests
+    assert (req.max_tokens, req.prompt_len) == (7, 5) and tries < 80
