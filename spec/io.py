@@ -698,6 +698,9 @@ def check_outputs(outputs: dict[str, str | os.PathLike | None], inputs: dict[str
         out = str(out)
         if os.path.isdir(out):
             raise OptionError(option, f"{out} is a directory; give a file path")
+        if os.path.exists(out) and not stat.S_ISREG(os.stat(out).st_mode):
+            # a device or FIFO (/dev/stdout...): the rename would replace it with a plain file
+            raise OptionError(option, f"{out} is not a regular file (a device or FIFO); give a file path")
         parent = os.path.dirname(os.path.abspath(out))
         while not os.path.exists(parent):
             parent = os.path.dirname(parent)

@@ -730,6 +730,8 @@ NOTHING_LOST = [
     ("run-log-is-the-trace", lambda d: ["run", _good_trace(d), "--log", d / "good.jsonl"], ("--log", "also the input TRACE")),
     ("run-log-is-a-link-to-the-trace", lambda d: ["run", _link(d), "--log", d / "good.jsonl"], ("--log", "also the input TRACE")),
     ("run-log-is-a-directory", lambda d: ["run", _good_trace(d), "--log", d], ("--log", "is a directory")),
+    ("run-log-is-a-fifo", lambda d: ["run", _good_trace(d), "--log", fifo("out.jsonl")(d)], ("--log", "not a regular file")),
+    ("run-log-is-a-device", lambda d: ["run", _good_trace(d), "--log", "/dev/null"], ("--log", "not a regular file")),
     ("run-log-below-a-file", lambda d: ["run", _good_trace(d), "--log", d / "good.jsonl" / "log.jsonl"], ("--log", "not a directory")),
     ("replay-log-is-the-trace", lambda d: ["replay", _good_trace(d), "--engine", "spec", "--log", d / "good.jsonl"], ("--log", "also the input")),
     ("replay-spec-log-is-the-trace", lambda d: ["replay", _good_trace(d), "--engine", "spec", "--spec-log", d / "good.jsonl"],
