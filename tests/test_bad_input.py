@@ -249,6 +249,7 @@ TRACE_FILES = [
     ("directory", directory("t.jsonl"), ("t.jsonl:0: (file)", "directory")),
     ("fifo", fifo("t.jsonl"), ("t.jsonl:0: (file)", "not a regular file")),
     ("missing", missing("t.jsonl"), ("t.jsonl:0: (file)", "No such file")),
+    ("below-a-file", lambda d: text_file("f", "x")(d) / "t.jsonl", ("t.jsonl:0: (file)", "Not a directory")),
 ]
 
 for _id, _make, _expect in TRACE_FILES:
@@ -999,6 +1000,33 @@ if __name__ == "__main__":
     for name, n in sorted(counts.items(), key=lambda kv: -kv[1]):
         print(f"{name:28} {n:4}")
     print(f"{'total':28} {sum(counts.values()):4}")
+
+
+@pytest.mark.parametrize("command", ["run", "check-log", "calibrate", "cost-model"])
+def test_an_unreadable_file_is_refused(command, tmp_path, capsys, monkeypatch):
+    """EACCES on open (simulated: root reads any file whatever its mode, see run-unreadable)."""
+    import builtins
+
+    import spec.io
+
+    real_open = builtins.open
+
+    def no_permission(path, *a, **k):
+        if str(path).endswith(("t.jsonl", "l.jsonl", "r.json", "c.json")):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(spec.io, "open", no_permission, raising=False)
+    files = {"run": ("t.jsonl", lines(HEADER, REQ)), "check-log": ("l.jsonl", lines(LOG_HEADER, REC0)),
+             "calibrate": ("r.json", rows_json()), "cost-model": ("c.json", j(COST))}
+    name, content = files[command]
+    path = text_file(name, content)(tmp_path)
+    argv = {"run": ["run", path], "check-log": ["check-log", path, "--trace", _good_trace(tmp_path)],
+            "calibrate": ["calibrate", path, "-o", tmp_path / "out.json"],
+            "cost-model": ["simulate", _good_trace(tmp_path), "--cost-model", path]}[command]
+    before = snapshot(tmp_path)
+    code, out, err, seconds = run_in_process(argv, capsys)
+    assert_refused(code, out, err, seconds, Case(command, None, (f"{name}:0: (file)", "Permission denied")), tmp_path, before)
 
 
 def test_a_corpus_directory_lists_only_regular_trace_files(tmp_path):
