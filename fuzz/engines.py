@@ -34,3 +34,7 @@ def _reference(trace: Trace) -> Engine:
 register_engine("gpu", _gpu, "gpu_engine, scheduler-only (synthesized tokens): the fuzzing target")
 register_engine("gpu-model", _gpu_model, "gpu_engine with the tiny Llama through paged attention")
 register_engine("reference", _reference, "reference engine: the spec's decisions + a naive PyTorch model")
+
+from fuzz.sglang_adapter import factory as _sglang  # noqa: E402  (imports without SGLang; it loads on first use)
+
+register_engine("sglang", _sglang, "SGLang 0.5.23's scheduler in-process, fake model (own venv: scripts/sglang-env.sh)")

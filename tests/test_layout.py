@@ -16,7 +16,8 @@ ALLOWED = {
     "reference": {"spec", "torch", "numpy", "safetensors"},
     "gpu_engine": {"spec.formats", "spec.protocol", "spec.config", "torch", "numpy", "triton", "safetensors"},
     "invariants": {"spec", "z3", "hypothesis", "gpu_engine", "torch", "numpy"},
-    "fuzz": {"spec", "reference", "gpu_engine", "invariants", "hypothesis", "rich", "torch", "numpy", "vllm", "ray"},
+    "fuzz": {"spec", "reference", "gpu_engine", "invariants", "hypothesis", "rich", "torch", "numpy", "vllm", "ray",
+             "sglang"},
     "batchspec": set(PACKAGES) | {"rich", "matplotlib", "numpy", "torch"},
 }
 
