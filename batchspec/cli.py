@@ -48,6 +48,7 @@ exit codes:
      engine, a proof that failed
   2  bad input or a harness problem, on one line as
      FILE:LINE: FIELD: problem (or OPTION: problem); nothing written
+130  interrupted (Ctrl-C): fuzz saves its state first (--resume)
 
 Traces and decision logs are JSON lines (schemas: spec/schemas/)."""
 
