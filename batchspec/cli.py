@@ -659,6 +659,9 @@ def run(args) -> int:
     except StepLimitError as e:
         err_console.print(f"[red]error:[/] {e}", highlight=False)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C outside a campaign's own handling (startup, other commands): one line
+        err_console.print("interrupted", highlight=False)
+        return 130
     except OSError as e:  # an output that cannot be written (full disk, permissions): a harness problem
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
         err_console.print(f"[red]error:[/] {where}{e.strerror or e}", highlight=False)

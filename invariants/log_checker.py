@@ -303,6 +303,11 @@ class LogChecker:
         s = rec.step
         for rid, why in rec.rejected:
             r = self.req(rid)
+            if why == "slo_infeasible":  # SLO.REFUSE: a waiting request, refused at any step (issue 19)
+                if r.state != "waiting" or self.cfg.slo_admission != "refuse":
+                    self.flag("REJECT.CONSISTENT", s, rid, f"refused as slo_infeasible while {r.state}", "rejected")
+                self._end(rid, s, "rejected", "rejected")
+                continue
             if r.state != "waiting" or r.admitted_seq >= 0:
                 self.flag("REJECT.CONSISTENT", s, rid, f"rejected while {r.state}, after it was seen", "rejected")
             if r.source is not None:
@@ -395,6 +400,8 @@ class LogChecker:
                 self.flag("BATCH.PREFILL_ONLY", rec.step, others[0], "ran in a step that admitted", "scheduled")
 
     def _victim(self, live: list[_Req]) -> _Req | None:
+        if self.cfg.preemption_victim != "policy":  # slo-slack: token timing the log does not carry
+            return None
         if self.cfg.admission == "estimate":  # fewest outputs, then longest prompt, then the latest
             if self.trace is None:
                 return None

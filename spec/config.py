@@ -90,9 +90,25 @@ class SchedulerConfig:
     #: "spf" — shortest prompt first (rule QUEUE.SPF); "vtc" — fair share across tenants
     #: by virtual token counters (Sheng et al., OSDI'24; rules VTC.*).
     policy: str = "fcfs"
-    #: Aging under "priority" and "spf" (rule QUEUE.AGING): a request's effective key
+    #: "edf" — earliest TTFT deadline first (arrival + ttft_slo; rules QUEUE.EDF, EDF.*);
+    #: "sprpt" — shortest predicted remaining output first (predicted_output_len, else
+    #: max_tokens, minus the outputs so far; rule QUEUE.SPRPT).
+    #: Aging under "priority", "spf" and "sprpt" (rule QUEUE.AGING): a request's effective key
     #: improves by 1 for every ``aging_steps`` steps since it arrived; 0 = off.
     aging_steps: int = 0
+    #: Who is preempted when a running request lacks blocks: "policy" — the policy's own
+    #: victim rule (PREEMPT.VICTIM_NEWEST, ..._LOWEST_PRIORITY); "slo-slack" — the request
+    #: that has already missed its target, else the one with the most slack (rule
+    #: PREEMPT.VICTIM_SLO_SLACK).
+    preemption_victim: str = "policy"
+    #: SLO admission control under policy="edf" (rules SLO.*): "off"; "refuse" — a waiting
+    #: request that cannot sample its first token by its TTFT deadline even with the whole
+    #: token budget from now on is rejected (slo_infeasible); "defer" — it is kept, behind
+    #: every request that can still make its deadline (best effort).
+    slo_admission: str = "off"
+    #: Seconds one step is taken to last when a timed trace's targets (seconds) become the
+    #: scheduler's step counts: ``max(1, floor(target / slo_step_s))`` (rule SLO.TARGET_STEPS).
+    slo_step_s: float = 0.025
     #: VTC tenant weights, "tenant=weight,..." (e.g. "a=2,b=1"); a tenant not named
     #: weighs 1.  A tenant's counter grows by cost / weight (rule VTC.CHARGE).
     tenant_weights: str = ""
@@ -211,7 +227,9 @@ KNOB_CHOICES: dict[str, tuple[str, ...]] = {
     "cache_duplicates": ("first", "latest"),
     "max_num_seqs_scope": ("running", "step"),
     "prefill_chunking": ("any", "first-continues"),
-    "policy": ("fcfs", "priority", "spf", "vtc"),
+    "policy": ("fcfs", "priority", "spf", "vtc", "edf", "sprpt"),
+    "preemption_victim": ("policy", "slo-slack"),
+    "slo_admission": ("off", "refuse", "defer"),
     "admission": ("budget", "estimate"),
     "preemption_mode": ("recompute", "swap"),
     "priority_self_preempt": ("stop", "continue"),
@@ -256,19 +274,23 @@ def step_plan(cfg: "SchedulerConfig") -> StepPlan:
     if anybody was admitted.  Extra phases join only with the knob that needs them.
     """
     swap = cfg.preemption_mode == "swap"
+    at_risk = ("serve_at_risk",) if cfg.policy == "edf" else ()  # EDF.AT_RISK_FIRST
+    slo_gate = ("slo_admission",) if cfg.slo_admission != "off" else ()  # SLO.REFUSE / SLO.DEFER
     after_running = (("charge_vtc",) if cfg.policy == "vtc" else ()) + \
         (("update_ratio",) if cfg.admission == "estimate" else ()) + (("swap_in",) if swap else ())
     if cfg.batching == "prefill-first":
         first = ("continue_prefill",) if cfg.prefill_chunking == "first-continues" else ()
-        phases = (*(("hold_for_swapped",) if swap else ()), *first, "schedule_waiting", "end_prefill_batch",
-                  "schedule_running", *after_running)
+        phases = (*(("hold_for_swapped",) if swap else ()), *first, *slo_gate, "schedule_waiting", "end_prefill_batch",
+                  *at_risk, "schedule_running", *after_running)
     else:
         gates = (("hold_static_batch",) if cfg.batching == "static" else ()) + \
             (() if cfg.admit_after_preempt else ("hold_after_preempt",)) + (("hold_for_swapped",) if swap else ())
-        phases = ("schedule_running", *after_running, *gates, "schedule_waiting")
+        phases = (*at_risk, "schedule_running", *after_running, *gates, *slo_gate, "schedule_waiting")
     estimate = cfg.admission == "estimate"
     if estimate:
         victim = "RETRACT.VICTIM_FEWEST_OUTPUTS"
+    elif cfg.preemption_victim == "slo-slack":
+        victim = "PREEMPT.VICTIM_SLO_SLACK"
     elif cfg.policy == "priority":
         victim = "PREEMPT.VICTIM_LOWEST_PRIORITY"
     else:
@@ -497,6 +519,44 @@ def _check_value(name: str, value: Any, expected_type: type) -> None:
     if name in KNOB_CHOICES and value not in KNOB_CHOICES[name]:
         raise ConfigError(name, f"must be one of {', '.join(KNOB_CHOICES[name])}, got {value!r}")
 
+_SLO_FIXED = {
+    "targets": "per request (ttft_slo, tpot_slo) or by class (the header's slo_classes); in steps, timed traces' "
+               "seconds turned into steps by slo_step_s (rule SLO.TARGET_STEPS)",
+    "requests without a target": "have an infinite deadline: served after every request that has one, and the "
+                                 "first preemption victims after requests that already missed theirs",
+}
+EDF = _derived(
+    "edf", "1", "earliest-deadline-first on the TTFT deadline (arrival + ttft_slo): the waiting request due first is "
+    "admitted first; running decodes about to miss their TPOT target are served before any prefill chunk; the victim "
+    "of a preemption is the request that already missed its target, else the one with the most slack",
+    ("Liu & Layland, JACM 1973 (EDF optimality for deadlines on one resource); DistServe (Zhong et al., OSDI'24) "
+     "and SLOs-Serve (arXiv 2504.08784) for per-request TTFT/TPOT targets; Andes (arXiv 2404.16283) for serving "
+     "decodes by their token-deadline slack",),
+    {**_SLO_FIXED, "admission control": "off (profile edf-ac refuses requests that can no longer make their deadline)"},
+    policy="edf", preemption_victim="slo-slack",
+)
+EDF_AC = _derived(
+    "edf-ac", "1", "edf with SLO admission control: a waiting request that cannot sample its first token by its TTFT "
+    "deadline even with the whole token budget from now on is refused (rejected: slo_infeasible), so capacity goes "
+    "to requests that can still meet their targets (goodput under overload)",
+    ("SLOs-Serve (arXiv 2504.08784) and Andes (arXiv 2404.16283): drop or defer requests whose SLO is already lost; "
+     "DistServe (OSDI'24) goodput = requests meeting both targets per second",),
+    {**_SLO_FIXED, "feasibility": "optimistic: the prompt's tokens (no prefix hits counted) at the whole "
+                                  "max_num_batched_tokens per step from this step on (rule SLO.FEASIBLE)"},
+    policy="edf", preemption_victim="slo-slack", slo_admission="refuse",
+)
+SPRPT = _derived(
+    "sprpt", "1", "shortest predicted remaining output first: the waiting request with the fewest predicted output "
+    "tokens left (predicted_output_len, else max_tokens, minus outputs so far) is admitted first, with aging so that "
+    "a long request's wait stays bounded",
+    ("Fu et al., Efficient LLM Scheduling by Learning to Rank (NeurIPS'24, arXiv 2408.15792); vLLM's SJF scorer "
+     "proposals (output-length prediction with aging), docs/reference/other-schedulers.md §1",),
+    {"aging_steps": "4 (illustrative; not an engine default)", "predictor": "the trace's predicted_output_len; "
+     "a request without one is predicted its max_tokens", "victim": "the newest running request"},
+    policy="sprpt", aging_steps=4,
+)
+PROFILES.update({p.name: p for p in (EDF, EDF_AC, SPRPT)})  # issue 19: the SLO-aware policies
+
 
 def validate(cfg: SchedulerConfig) -> SchedulerConfig:
     """Check ranges that hold for every profile; return ``cfg``."""
@@ -525,8 +585,17 @@ def validate(cfg: SchedulerConfig) -> SchedulerConfig:
             raise ConfigError(name, f"must be one of {', '.join(choices)}, got {getattr(cfg, name)!r}")
     if cfg.aging_steps < 0:
         raise ConfigError("aging_steps", f"must be >= 0, got {cfg.aging_steps}")
-    if cfg.aging_steps and cfg.policy not in ("priority", "spf"):
-        raise ConfigError("aging_steps", f"applies to policy priority or spf, not {cfg.policy!r}")
+    if cfg.aging_steps and cfg.policy not in ("priority", "spf", "sprpt"):
+        raise ConfigError("aging_steps", f"applies to policy priority, spf or sprpt, not {cfg.policy!r}")
+    if cfg.slo_admission != "off" and cfg.policy != "edf":
+        raise ConfigError("slo_admission", f"needs policy=edf (deadline order), not {cfg.policy!r}")
+    if cfg.preemption_victim == "slo-slack" and cfg.admission == "estimate":
+        raise ConfigError("preemption_victim", "slo-slack replaces the policy's victim; admission=estimate retracts its own")
+    if getattr(cfg, "async_scheduling", False) and (cfg.policy == "edf" or cfg.preemption_victim == "slo-slack"):
+        raise ConfigError("async_scheduling", "the SLO policies (policy=edf, preemption_victim=slo-slack) are specified "
+                                              "with synchronous scheduling only")
+    if not 0.0 < cfg.slo_step_s < float("inf"):
+        raise ConfigError("slo_step_s", f"must be a finite number > 0, got {cfg.slo_step_s}")
     if cfg.num_cpu_blocks < 0:
         raise ConfigError("num_cpu_blocks", f"must be >= 0, got {cfg.num_cpu_blocks}")
     if cfg.num_cpu_blocks > LIMITS["num_blocks"]:

@@ -46,6 +46,9 @@ LIMITS = {
     "token_list": 65_536,  # entries of stop_token_ids
 }
 
+#: Optional request fields of service-level targets and output budgets (issue 19), written only when set.
+SLO_REQUEST_FIELDS = ("slo_class", "ttft_slo", "tpot_slo", "predicted_output_len")
+
 #: Token ids below this are reserved (0 pad, 1 bos, 2 eos by default); synthetic
 #: prompt and output tokens never use them, so they never stop a request by accident.
 FIRST_SYNTHETIC_TOKEN = 3
@@ -92,6 +95,13 @@ class TraceRequest:
     stop_token_ids: tuple[int, ...] = ()
     abort_at: int | None = None  # step at which the client aborts it
     output_tokens: tuple[int, ...] = ()  # tokens the synthetic model emits first
+    # service-level targets (issue 19): steps in a step trace (arrival_step), seconds in a
+    # timed trace (arrival_time); a class named in the header's ``slo_classes`` fills the
+    # targets the request does not give itself (spec.io resolves it when loading).
+    slo_class: str | None = None
+    ttft_slo: float | None = None  # first token within this many steps (seconds) of arrival
+    tpot_slo: float | None = None  # at most this many steps (seconds) between two output tokens
+    predicted_output_len: int | None = None  # a predictor's guess of the output length; max_tokens stays the cap
 
     def prompt_token_ids(self, vocab_size: int = DEFAULT_VOCAB_SIZE) -> list[int]:
         """The prompt's token ids: explicit, or synthesized from the id and prefix group.
@@ -135,6 +145,9 @@ class TraceRequest:
             out["abort_at"] = self.abort_at
         if self.output_tokens:
             out["output_tokens"] = list(self.output_tokens)
+        for name in SLO_REQUEST_FIELDS:
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         return out
 
     @classmethod
@@ -155,6 +168,7 @@ class TraceRequest:
             stop_token_ids=tuple(obj.get("stop_token_ids", ())),
             abort_at=obj.get("abort_at"),
             output_tokens=tuple(obj.get("output_tokens", ())),
+            **{name: obj.get(name) for name in SLO_REQUEST_FIELDS},
         )
 
 
@@ -173,6 +187,8 @@ class Trace:
     name: str | None = None
     description: str | None = None
     source: str | None = None  # file the trace was read from, for messages
+    #: SLO classes (issue 19): class name -> {"ttft": target, "tpot": target}, in the trace's units
+    slo_classes: dict[str, dict[str, float]] | None = None
 
     def header_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"format": TRACE_FORMAT, "version": FORMAT_VERSION}
@@ -183,6 +199,8 @@ class Trace:
         out["config"] = dict(self.config)
         out["vocab_size"] = self.vocab_size
         out["eos_token_id"] = self.eos_token_id
+        if self.slo_classes:
+            out["slo_classes"] = {k: dict(v) for k, v in self.slo_classes.items()}
         return out
 
     def request(self, request_id: str) -> TraceRequest:

@@ -167,9 +167,11 @@ def _fcfs_sorted(eng: "SpecEngine") -> Iterator[str]:
     and every running request arrived before every waiting one: victims go back to
     the front, so an earlier arrival is never passed.  (Not under swap, where a
     recompute fall-back victim may rejoin behind a swapped-in request, nor under
-    admission=estimate, where a retracted request goes to the tail, as in SGLang.)"""
+    admission=estimate, where a retracted request goes to the tail, as in SGLang, nor under
+    preemption_victim=slo-slack, where the victim need not be the newest.)"""
     cfg = eng.config
-    if cfg.policy != "fcfs" or cfg.preemption_mode != "recompute" or cfg.admission != "budget":
+    if cfg.policy != "fcfs" or cfg.preemption_mode != "recompute" or cfg.admission != "budget" \
+            or cfg.preemption_victim != "policy":
         return
     seqs = [r.arrival_seq for r in eng.running] + [r.arrival_seq for r in eng.waiting]
     if seqs != sorted(seqs):
@@ -279,8 +281,10 @@ def _hit_not_whole(eng: "SpecEngine", out: "SchedulerOutput", starved: bool) -> 
 @invariant("LIVE.NO_IDLE_STALL", bugs=("VLLM-05", "VLLM-06", "TGI-01", "LMD-03"))
 def _no_idle_stall(eng: "SpecEngine", out: "SchedulerOutput", starved: bool) -> Iterator[str]:
     """If nothing is running and a request waits, the step admits one: the pool is
-    then entirely free, and the rejection rules guarantee every queued request fits it."""
-    if starved and not (out.new or out.resumed):
+    then entirely free, and the rejection rules guarantee every queued request fits it.
+    (A step whose SLO admission control refused every waiting request, SLO.REFUSE, leaves
+    nobody waiting: no stall.)"""
+    if starved and len(eng.waiting) and not (out.new or out.resumed):
         head = next(iter(eng.waiting)).request_id if len(eng.waiting) else "?"
         yield f"nothing running, {len(eng.waiting)} waiting, head {head} not admitted"
 

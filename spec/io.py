@@ -19,6 +19,7 @@ before any work, an output path that is one of the command's inputs.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -412,8 +413,9 @@ def load_trace(path: str | os.PathLike) -> Trace:
         raise FormatError(path, number, "eos_token_id", f"{eos} is outside the vocabulary (vocab_size {vocab})")
     order = _ArrivalOrder(path)
     requests = []
+    classes = header.get("slo_classes") or {}
     for n, obj in _limited(rows, path):
-        req = _request(obj, path, n, vocab)
+        req = _slo_checked(_request(obj, path, n, vocab), classes, path, n)
         order.check(req, n)
         requests.append(req)
     return Trace(
@@ -424,7 +426,38 @@ def load_trace(path: str | os.PathLike) -> Trace:
         name=header.get("name"),
         description=header.get("description"),
         source=path,
+        slo_classes=classes or None,
     )
+
+
+def _slo_checked(req: TraceRequest, classes: dict, path: str, line: int) -> TraceRequest:
+    """Issue 19: fill the targets a request leaves out from its ``slo_class``, and check the
+    units: a step trace (``arrival_step``) counts targets in whole steps, at most the limit
+    ``steps``; a timed trace in seconds, at most the limit ``arrival_time``."""
+    given = req
+    if req.slo_class is not None:
+        if req.slo_class not in classes:
+            known = ", ".join(sorted(classes)) or "none in the header's slo_classes"
+            raise FormatError(path, line, "slo_class", f"unknown class {req.slo_class!r} (known: {known})")
+        targets = classes[req.slo_class]
+        req = dataclasses.replace(req, ttft_slo=req.ttft_slo if req.ttft_slo is not None else targets.get("ttft"),
+                                  tpot_slo=req.tpot_slo if req.tpot_slo is not None else targets.get("tpot"))
+    steps = req.arrival_step is not None
+    for name in ("ttft_slo", "tpot_slo"):
+        value = getattr(req, name)
+        if value is None:
+            continue
+        where = name if value is getattr(given, name) else f"{name} (from slo_class {req.slo_class!r})"
+        if steps and type(value) is not int:
+            raise FormatError(path, line, where, f"{value!r} is not a whole number of steps (a step trace counts "
+                                                 "targets in steps; seconds need arrival_time)")
+        limit = ("steps", LIMITS["steps"]) if steps else ("arrival_time", LIMITS["arrival_time"])
+        if value > limit[1]:
+            raise FormatError(path, line, where, f"{value} exceeds the limit {limit[0]}={limit[1]:,}")
+    if req.predicted_output_len is not None and req.predicted_output_len > LIMITS["max_tokens"]:
+        raise FormatError(path, line, "predicted_output_len",
+                          f"{req.predicted_output_len} exceeds the limit max_tokens={LIMITS['max_tokens']:,}")
+    return req
 
 
 def _limited(rows: Iterable[tuple[int, Any]], path: str) -> Iterator[tuple[int, Any]]:

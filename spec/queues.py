@@ -12,6 +12,7 @@ from collections import deque
 from typing import Iterator, Protocol
 
 from spec.rules import rule
+from spec.slo import edf_key, predicted_remaining
 
 
 class Queued(Protocol):
@@ -120,7 +121,10 @@ class AgingQueue:
         return iter(sorted(self._items, key=lambda r: self.key(r, now)))
 
     def base_key(self, req) -> int:
-        """The key before aging: the priority number, or the prompt length under "spf"."""
+        """The key before aging: the priority number, the prompt length under "spf", the
+        predicted remaining output under "sprpt" (rule QUEUE.SPRPT)."""
+        if self.policy == "sprpt":
+            return predicted_remaining(req)
         return len(req.prompt_token_ids) if self.policy == "spf" else req.priority
 
     @rule("QUEUE.AGING", knobs=("aging_steps", "policy"))
@@ -167,6 +171,45 @@ class AgingQueue:
 
     def remove(self, req) -> None:
         self._items.remove(req)
+
+
+class EDFQueue:
+    """Earliest TTFT deadline first (rule QUEUE.EDF): a binary heap on :func:`spec.slo.edf_key`.
+
+    A request's key changes only when it is deferred (SLO.DEFER) or samples its first
+    token, and neither happens while it waits, so the heap stays valid; :meth:`defer`
+    re-pushes a request with its new key."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple] = []
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator:
+        return (entry[-1] for entry in sorted(self._heap, key=lambda e: e[:-1]))
+
+    def add(self, req) -> None:
+        heapq.heappush(self._heap, (*edf_key(req), req))
+
+    prepend = add
+    requeue_tail = add
+
+    def peek(self):
+        return self._heap[0][-1]
+
+    def pop(self):
+        return heapq.heappop(self._heap)[-1]
+
+    def remove(self, req) -> None:
+        self._heap = [e for e in self._heap if e[-1] is not req]
+        heapq.heapify(self._heap)
+
+    def defer(self, req) -> None:
+        """SLO.DEFER: ``req`` goes behind every request that was not deferred."""
+        self.remove(req)
+        req.deferred = True
+        self.add(req)
 
 
 class VTCQueue:
@@ -271,6 +314,8 @@ class VTCQueue:
 def make_queue(policy: str, aging_steps: int = 0, clock=None, weights: dict[str, float] | None = None):
     if policy == "vtc":
         return VTCQueue(weights or {})
-    if policy == "spf" or (policy == "priority" and aging_steps):
+    if policy == "edf":
+        return EDFQueue()
+    if policy in ("spf", "sprpt") or (policy == "priority" and aging_steps):
         return AgingQueue(policy, aging_steps, clock)
     return PriorityQueue() if policy == "priority" else FCFSQueue()

@@ -44,6 +44,8 @@ from spec.kv import AllocFailure, KVCacheManager, cdiv, hash_block
 from spec.protocol import drive
 from spec.queues import make_queue
 from spec.rules import declare, fired, phase, reason, rule
+from spec.slo import (SLO_DEFER, SLO_INFEASIBLE, SLO_REFUSE, at_risk, feasible, note_token, slo_slack_victim,
+                      target_steps, ttft_deadline)
 
 
 class Status(enum.Enum):
@@ -76,6 +78,14 @@ class Request:
     finish_reason: str | None = None
     block_hashes: list[bytes] = field(default_factory=list)
     arrival_step: int = 0  # the engine's step count when it arrived (its age, for QUEUE.AGING)
+    # service-level targets in steps (issue 19, spec.slo); None: no target
+    ttft_deadline: int | None = None  # last step in which its first token meets ttft_slo
+    tpot_steps: int | None = None  # most steps between two of its tokens
+    predicted_output: int | None = None  # the trace's predicted_output_len
+    deferred: bool = False  # SLO.DEFER: behind every request that can still meet its deadline
+    first_token_step: int | None = None
+    last_token_step: int | None = None
+    slo_missed: bool = False  # a token was sampled after it was due
 
     def __post_init__(self) -> None:
         self._extend_block_hashes()
@@ -253,11 +263,14 @@ VICTIM_RULES = {
     "PREEMPT.VICTIM_NEWEST": lambda running: fcfs_victim(running),
     "PREEMPT.VICTIM_LOWEST_PRIORITY": lambda running: priority_victim(running),
     "RETRACT.VICTIM_FEWEST_OUTPUTS": lambda running: fewest_outputs_victim(running),
+    "PREEMPT.VICTIM_SLO_SLACK": lambda running, now: slo_slack_victim(running, now),
 }
 
 
-def pick_victim(rule_id: str, running: list[Request]) -> Request:
-    """The request to preempt, by the plan's victim rule."""
+def pick_victim(rule_id: str, running: list[Request], now: int = 0) -> Request:
+    """The request to preempt, by the plan's victim rule (``now``: the step, for SLO slack)."""
+    if rule_id == "PREEMPT.VICTIM_SLO_SLACK":
+        return VICTIM_RULES[rule_id](running, now)
     return VICTIM_RULES[rule_id](running)
 
 
@@ -726,6 +739,7 @@ class SpecEngine:
             block_size=cfg.block_size,
             block_hashes=list(hashes),
             arrival_step=self.clock,
+            **self._slo_fields(tr),
         )
         self.requests[tr.id] = req
         self.waiting.add(req)
@@ -733,6 +747,12 @@ class SpecEngine:
         if self.vtc:
             what += f"; tenant {tr.tenant!r} counter {self.waiting.counters[tr.tenant]:g}"
         self._reasons.append(reason(ARRIVE, tr.id, what))
+
+    def _slo_fields(self, tr: TraceRequest) -> dict:
+        """A request's targets in steps (SLO.TARGET_STEPS) and its predicted output length."""
+        timed, step_s = tr.arrival_step is None, self.config.slo_step_s
+        return {"ttft_deadline": ttft_deadline(self.clock, target_steps(tr.ttft_slo, timed, step_s)),
+                "tpot_steps": target_steps(tr.tpot_slo, timed, step_s), "predicted_output": tr.predicted_output_len}
 
     def _prompt(self, tr: TraceRequest) -> tuple[list[int], list[bytes]]:
         """The prompt's token ids and the hashes of its full blocks (none yet without a cache:
@@ -892,6 +912,53 @@ class SpecEngine:
         if self.swapped and not st.out.preempted:
             st.budget = self._schedule_swapped(st)
 
+    @phase("serve_at_risk")
+    def _phase_serve_at_risk(self, st: StepState) -> None:
+        """EDF: before the running phase, every running decode whose TPOT slack is spent (its
+        next token due in this step) is served, in running-list order, while budget and
+        blocks last (EDF.AT_RISK_FIRST); one that lacks a block is left to the running phase,
+        which preempts by the victim rule.  Prefill chunks and admissions get what is left."""
+        for req in self.running:
+            if st.budget <= 0 or len(st.scheduled) >= self.config.max_num_seqs:
+                break
+            if not at_risk(req, self.clock):
+                continue
+            if isinstance(self.kv.allocate_slots(req, 1), AllocFailure):
+                continue
+            st.scheduled[req.request_id] = 1
+            st.budget -= 1
+            st.out.reasons.append(reason("EDF.AT_RISK_FIRST", req.request_id,
+                                         f"next token due (last at step {req.last_token_step}, tpot {req.tpot_steps})"))
+
+    @phase("slo_admission")
+    def _phase_slo_admission(self, st: StepState) -> None:
+        """SLO admission control: every waiting request whose first token is not out and that
+        can no longer sample it by its TTFT deadline, even with the whole token budget from
+        this step on (SLO.FEASIBLE), is refused (SLO.REFUSE: rejected, slo_infeasible) or
+        deferred behind the feasible ones (SLO.DEFER), before anybody is admitted."""
+        refuse = self.config.slo_admission == "refuse"
+        budget = self.config.max_num_batched_tokens
+        for req in list(self.waiting):
+            if req.deferred or req.first_token_step is not None:
+                continue
+            if feasible(self.clock, req.num_tokens, budget, req.ttft_deadline):
+                continue
+            if refuse and req.status != Status.WAITING:
+                continue  # admitted once and preempted: it keeps its place (only new arrivals are refused)
+            rid = req.request_id
+            if refuse:
+                self.waiting.remove(req)
+                del self.requests[rid]
+                self.rejected[rid] = SLO_INFEASIBLE
+                self._rejected.append((rid, SLO_INFEASIBLE))
+                req.status = Status.REJECTED
+                st.out.reasons.append(reason(SLO_REFUSE, rid, f"{req.num_tokens} tokens cannot finish prefill by step "
+                                                              f"{req.ttft_deadline} (budget {budget})"))
+            else:
+                self.waiting.defer(req)
+                st.out.reasons.append(reason(SLO_DEFER, rid, f"deadline step {req.ttft_deadline} out of reach; "
+                                                             "deferred behind feasible requests"))
+
     # -- what the phases share ------------------------------------------------
 
     def _charge(self, req: Request, start: int, n: int) -> None:
@@ -924,11 +991,14 @@ class SpecEngine:
             n = chunk_size(req.num_tokens - req.num_computed_tokens, cap, budget)
             n = model_len_cap(n, req.num_computed_tokens, cfg)
             if n <= 0:
+            if req.request_id in scheduled:  # served by an earlier phase (EDF.AT_RISK_FIRST)
+                i += 1
+                continue
                 i += 1
                 continue
             alloc = self.kv.allocate_slots(req, n)
             while isinstance(alloc, AllocFailure):
-                victim = pick_victim(self.plan.victim, self.running)
+                victim = pick_victim(self.plan.victim, self.running, self.clock)
                 index = self.running.index(victim)
                 self.running.pop(index)
                 if index < i:
@@ -1174,6 +1244,7 @@ class SpecEngine:
             token = sampled[s.request_id]
             took[s.request_id] = token
             req.append_output_token(token)
+            note_token(req, self.clock)
             why = check_stop(req, token, self.config)
             if why is not None:
                 self._finish(req, Status.FINISHED, why)
