@@ -988,12 +988,12 @@ class SpecEngine:
         # max_num_seqs never binds here when it bounds the running list (rule BATCH.MAX_NUM_SEQS_PER_STEP)
         while i < len(self.running) and budget > 0 and len(scheduled) < cfg.max_num_seqs:
             req = self.running[i]
-            n = chunk_size(req.num_tokens - req.num_computed_tokens, cap, budget)
-            n = model_len_cap(n, req.num_computed_tokens, cfg)
-            if n <= 0:
             if req.request_id in scheduled:  # served by an earlier phase (EDF.AT_RISK_FIRST)
                 i += 1
                 continue
+            n = chunk_size(req.num_tokens - req.num_computed_tokens, cap, budget)
+            n = model_len_cap(n, req.num_computed_tokens, cfg)
+            if n <= 0:
                 i += 1
                 continue
             alloc = self.kv.allocate_slots(req, n)
