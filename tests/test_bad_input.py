@@ -1037,3 +1037,12 @@ def test_a_corpus_directory_lists_only_regular_trace_files(tmp_path):
     os.mkfifo(tmp_path / "pipe.jsonl")
     (tmp_path / "dir.jsonl").mkdir()
     assert [p.name for p in corpus_traces(tmp_path)] == ["good.jsonl"]
+
+
+def test_docs_list_every_limit_with_its_value():
+    """docs/inputs.md states the limits the readers enforce; a changed limit must change the doc."""
+    from spec.formats import LIMITS
+
+    doc = (Path(__file__).parent.parent / "docs" / "inputs.md").read_text()
+    for name, value in LIMITS.items():
+        assert f"| `{name}` | {int(value):,} |" in doc, name
