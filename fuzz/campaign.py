@@ -196,11 +196,12 @@ def _run_task(task: Task, on_detect: OnDetect | None) -> Outcome:
 
         def same(t: Trace) -> bool:
             # the same kind of divergence, anywhere: shrinking then leads the manifestations of one
-            # bug to the same smallest trace, whose signature names the group (one finding per bug)
+            # bug to the same smallest trace, whose signature names the group (one finding per bug).
+            # An engine crash may shrink to a decision divergence: the state it crashed on, seen earlier.
             if task.envelope is not None and not task.envelope.admits(t.config):
                 return False
             r = replay(dataclasses.replace(t, config={**t.config, "max_steps": limit}), task.engine, task.level)
-            return not r.agreed and r.divergence.kind == sig[0]
+            return not r.agreed and (r.divergence.kind == sig[0] or (sig[0], r.divergence.kind) == ("error", "decision"))
 
         small, out.shrink_tries = shrink(trace, same, seconds=SHRINK_SECONDS, max_tries=task.shrink_tries)
         out.shrunk = replay(small, task.engine, task.level, after=REPORT_CONTEXT)

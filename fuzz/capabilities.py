@@ -365,6 +365,14 @@ def _gpu() -> Envelope:
     return _from_allow_list(SUPPORTED, "gpu_engine.engine.SUPPORTED")
 
 
+def _gpu_model() -> Envelope:
+    """With its model gpu_engine schedules synchronously only (async_scheduling: scheduler-only mode)."""
+    from gpu_engine.engine import SUPPORTED
+
+    return _from_allow_list({k: v for k, v in SUPPORTED.items() if k != "async_scheduling"},
+                            "gpu_engine.engine.SUPPORTED, less async_scheduling (model mode)")
+
+
 def _vllm() -> Envelope:
     from fuzz.vllm_adapter import MAPPED_KNOBS
 
@@ -373,13 +381,15 @@ def _vllm() -> Envelope:
         # reject_unservable=false only makes both sides stall to max_steps: left at the profile's value
         if knob in _free_knobs("vllm-v1") or knob == "reject_unservable":
             continue
+        if knob == "async_scheduling":  # measured on its own: examples/vllm-v1-async.capabilities.json
+            continue
         knobs[knob] = ("fcfs", "priority") if knob == "policy" else (False, True) if _TYPES[knob] is bool else Range()
     return Envelope("vllm-v1", knobs, source="fuzz.vllm_adapter.MAPPED_KNOBS")
 
 
 BUILTIN = {"spec": lambda: dataclasses.replace(EVERYTHING, source="the spec itself"),
            "reference": lambda: dataclasses.replace(EVERYTHING, source="the spec's decisions drive the model"),
-           "gpu": _gpu, "gpu-model": _gpu, "vllm": _vllm}
+           "gpu": _gpu, "gpu-model": _gpu_model, "vllm": _vllm}
 
 #: The envelope of an engine that declares nothing: the generator's own vllm-v1 family.
 UNDECLARED = Envelope(everything=True, source="no declaration: the vllm-v1 family (every knob drawn)")

@@ -104,10 +104,17 @@ class ConformanceReport:
 
 def trace_for(seed: int, envelope=None):
     """The trace of ``seed`` for an engine with ``envelope``: ``random_trace(seed)`` when it lies
-    inside, else the seed's trace drawn inside it (the envelope's knob values for slot ``seed``)."""
+    inside; else the generator's own draws with the knobs the envelope pins to one value (e.g.
+    ``async_scheduling: [true]``) when that lies inside; else the seed's trace drawn inside it
+    (the envelope's knob values for slot ``seed``)."""
     trace = random_trace(seed)
     if envelope is None or envelope.everything or envelope.admits(trace.config):
         return trace
+    pinned = {k: v[0] for k, v in envelope.knobs.items() if isinstance(v, tuple) and len(v) == 1}
+    if pinned and envelope.profile == "vllm-v1":
+        trace = random_trace(seed, **pinned)
+        if envelope.admits(trace.config):
+            return trace
     return random_trace(seed, **envelope.options(seed, seed=0))
 
 

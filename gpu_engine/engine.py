@@ -57,6 +57,7 @@ SUPPORTED: dict[str, frozenset | None] = {
     "kv_reservation": frozenset({"step", "full"}),
     "preemption_mode": frozenset({"recompute", "swap"}),
     "priority_self_preempt": frozenset({"stop", "continue"}),
+    "async_scheduling": frozenset({False, True}),  # True: scheduler-only mode (no model)
 }
 
 
@@ -128,6 +129,11 @@ class GpuEngine:
         self.sched.eos_token_id = eos_token_id
         self.sched.log_state = log_state  # the optional state fields of spec.formats.STATE_FIELDS
         self.num_steps = 0
+        if config.async_scheduling and self.model is not None:
+            raise ValueError("gpu_engine implements async_scheduling=True in scheduler-only mode (no model)")
+        self.run_step = self._step_async if config.async_scheduling else self._step_sync
+        self._flight: tuple[list, list] = ([], [])  # async: (request, index, preemptions), tokens of the batch in flight
+        self._last_record: StepRecord | None = None
 
     @classmethod
     def from_trace(cls, trace: Trace, **kw) -> "GpuEngine":
@@ -168,6 +174,28 @@ class GpuEngine:
         return self.sched.has_unfinished()
 
     def step(self) -> StepRecord:
+        return self.run_step()
+
+    def _step_async(self) -> StepRecord:
+        """Async scheduling: schedule this step, then apply the batch in flight (the previous
+        step's); this step's tokens are drawn now, at each sampler's output index (known
+        outputs + placeholders - 1), and applied by the next step."""
+        s = self.sched
+        batch = s.schedule()
+        names = self._names(batch.slots)
+        smp = xp.to_list(batch.slots[batch.samples])
+        flight = [(s.ids[i], int(s.num_output_tokens[i] + s.placeholders[i] - 1), int(s.preemptions[i])) for i in smp]
+        tokens = [s.sources[i].output_token(k, self.vocab_size) for i, (_, k, _) in zip(smp, flight)]
+        (prev, prev_tokens), self._flight = self._flight, (flight, tokens)
+        finished, applied = s.apply_async(prev, prev_tokens, self.eos_token_id)
+        self.num_steps += 1
+        s.clock += 1
+        record = self._record(batch, names, list(applied), np.asarray(list(applied.values()), dtype=np.int64), finished)
+        record.outputs_step = self._last_record.step if self._last_record is not None else -1
+        self._last_record = record
+        return record
+
+    def _step_sync(self) -> StepRecord:
         s = self.sched
         batch = s.schedule()
         names = self._names(batch.slots)  # read before finished slots are released

@@ -57,7 +57,7 @@ REASONS = {F.STOP_EOS: FINISH_EOS, F.STOP_TOKEN: FINISH_STOP_TOKEN,
            F.STOP_MAX_MODEL_LEN: FINISH_MAX_MODEL_LEN, F.STOP_MAX_TOKENS: FINISH_MAX_TOKENS}
 COLUMNS = ("prompt_len", "num_tokens", "num_output_tokens", "num_computed_tokens", "status", "priority", "arrival",
            "arrival_step", "max_tokens", "ignore_eos", "num_blocks", "num_cached_blocks", "queue_key", "tenant",
-           "swap_key", "cpu_blocks", "stop_at")
+           "swap_key", "cpu_blocks", "stop_at", "placeholders", "preemptions")
 PRIORITY_SHIFT = 1 << 32  # priority / spf key = base * 2^32 + arrival (arrivals are unique)
 
 
@@ -123,6 +123,9 @@ class Scheduler:
         self._steady_batch = None  # (num_tokens, start, samples) of this step's :meth:`_decode_all`
         self.log_state = False  # the engine logs the optional state fields (set by GpuEngine)
         self.registered: dict[str, list[int]] = {}  # logged state: request -> block ordinals registered this step
+        # async scheduling: a step's sampled tokens are known one step later; until then each is a
+        # placeholder (column ``placeholders``, counted as computed), see :meth:`apply_async`
+        self.asynchronous = c.async_scheduling
 
     # ------------------------------------------------------------------ storage
 
@@ -214,7 +217,7 @@ class Scheduler:
                         ("arrival_step", self.clock), ("tenant", self.tc.tenant(req.tenant) if self.tc else 0),
                         ("max_tokens", req.max_tokens), ("ignore_eos", int(req.ignore_eos)),
                         ("num_blocks", 0), ("num_cached_blocks", 0),
-                        ("stop_at", min(p + req.max_tokens, c.max_model_len))):
+                        ("stop_at", min(p + req.max_tokens, c.max_model_len)), ("placeholders", 0), ("preemptions", 0)):
             getattr(self, name)[s] = v
         if not self.caching:
             self.hashes[s] = []
@@ -387,6 +390,8 @@ class Scheduler:
         rc = self.be.asarray(recompute)
         self.status[rc] = PREEMPTED
         self.num_computed_tokens[rc] = 0
+        self.placeholders[rc] = 0  # async: a token in flight is delivered stale (apply_async)
+        self.preemptions[rc] += 1
         for s in recompute:  # RETRACT.TO_TAIL under admission="estimate", else to the front
             self._enqueue(s, front=not self.estimate)
 
@@ -440,10 +445,13 @@ class Scheduler:
             start = self.num_computed_tokens[slots]
             done = start + n
             self.num_computed_tokens[slots] = done
-            samples = done >= self.num_tokens[slots]
+            samples = done >= self.num_tokens[slots] + self.placeholders[slots]
             batch.all_sample = xp.all_true(samples)
+            if self.asynchronous:  # each sampled token is in flight until the next step applies it
+                self.placeholders[slots[samples]] += 1
         batch.slots, batch.num_scheduled, batch.start, batch.samples = slots, n, start, samples
-        self.steady = batch.all_sample and not batch.preempted and len(slots) == len(self.running)
+        self.steady = (batch.all_sample and not batch.preempted and len(slots) == len(self.running)
+                       and not self.asynchronous)  # (the steady closed form assumes known tokens)
         return batch
 
     def _next_ratio(self, retracted: bool) -> None:
@@ -569,7 +577,11 @@ class Scheduler:
             seg = run[i:]
             comp = self.num_computed_tokens[seg]
             ntok = self.num_tokens[seg]
-            n, reached = F.grant_tokens(F.token_demand(ntok, comp, cap, c.max_model_len), budget)
+            if self.asynchronous:
+                demand = self._async_demand(seg, comp, ntok, cap)
+            else:
+                demand = F.token_demand(ntok, comp, cap, c.max_model_len)
+            n, reached = F.grant_tokens(demand, budget)
             k = xp.total(reached)  # reached is a prefix
             need = F.block_demand(comp[:k], n[:k], self.num_blocks[seg[:k]], self.bs, c.max_model_len)
             f = F.first_overflow(need, self.pool.num_free)
@@ -614,6 +626,15 @@ class Scheduler:
             i += 1
         self.running = run
         return self.be.cat(seg_slots), self.be.cat(seg_n), budget, unscheduled
+
+    def _async_demand(self, seg: Array, comp: Array, ntok: Array, cap: int) -> Array:
+        """Async scheduling: tokens in flight count as tokens to compute past (``num_tokens +
+        placeholders``); a request with a placeholder whose known outputs plus that one reach
+        ``max_tokens`` (``computed + 2 - placeholders >= prompt + max_tokens``) asks for none."""
+        ph = self.placeholders[seg]
+        demand = F.token_demand(ntok + ph, comp, cap, self.config.max_model_len)
+        done = (ph > 0) & (comp + 2 - ph >= self.prompt_len[seg] + self.max_tokens[seg])
+        return xp.where(done, 0, demand)
 
     def _decode_all(self, budget: int):
         """Phase 1 in the steady state: every running request decodes (``num_tokens =
@@ -840,6 +861,59 @@ class Scheduler:
             self._release(s)
         self.running = self.running[self.status[self.running] == RUNNING]
         return out
+
+    def apply_async(self, flight: list[tuple[str, int, int]], tokens: list[int], eos_token_id: int
+                    ) -> tuple[list[tuple[str, str]], dict[str, int]]:
+        """Async scheduling: apply the sampled tokens of the batch in flight (scheduled one step
+        earlier), in its batch order.  ``flight``: (request id, output index, preemptions at
+        schedule time) of each sampler.  A request that has finished or been aborted since
+        drops its token; one preempted since (stale) still appends it, without a placeholder
+        to give back; a running one gives back its placeholder and caches its blocks up to
+        ``computed - placeholders``.  Then the stop rules; finished requests are freed in
+        batch order.  Returns (finished, tokens applied)."""
+        live = [(i, self.slot_of[rid]) for i, (rid, _, _) in enumerate(flight) if rid in self.slot_of]
+        if not live:
+            return [], {}
+        be, c = self.be, self.config
+        smp = be.asarray([s for _, s in live])
+        tok = be.asarray([tokens[i] for i, _ in live])
+        stale = be.asarray([flight[i][2] for i, _ in live]) != self.preemptions[smp]
+        running = self.status[smp] == RUNNING
+        pos = self.num_tokens[smp]
+        self.token_ids[smp, pos] = tok
+        ntok = pos + 1
+        self.num_tokens[smp] = ntok
+        self.num_output_tokens[smp] += 1
+        fresh = smp[~stale]
+        self.placeholders[fresh] -= 1
+        if self.caching:
+            grow = xp.nonzero(ntok % self.bs == 0)
+            if len(grow):
+                self._extend_chains(smp[grow], ntok[grow])
+            cache = smp[running & ~stale]
+            if len(cache):
+                self._cache_blocks(cache, self.num_computed_tokens[cache] - self.placeholders[cache])
+        stop_hit = (self.stop_ids[smp] == tok[:, None]).any(1)
+        code = F.stop_codes(tok, self.ignore_eos[smp] == 0, stop_hit, ntok, self.num_output_tokens[smp],
+                            self.max_tokens[smp], eos_token_id, c.max_model_len)
+        applied = {flight[i][0]: t for (i, _), t in zip(live, xp.to_list(tok))}
+        fin_mask = code > 0
+        if not xp.any_true(fin_mask):
+            return [], applied
+        out = []
+        for s, why, was_running in zip(xp.to_list(smp[fin_mask]), xp.to_list(code[fin_mask]),
+                                       xp.to_list(running[fin_mask])):
+            if was_running:
+                self._free_tables(be.asarray([s]))
+            else:  # preempted with its last token in flight: it finishes from the waiting queue
+                self.queue_key[s] = INF_KEY
+                self.num_waiting -= 1
+                if self.tc is not None:
+                    self.tc.leave([int(self.tenant[s])])
+            out.append((self.ids[s], REASONS[why]))
+            self._release(s)
+        self.running = self.running[self.status[self.running] == RUNNING]
+        return out, applied
 
     def _extend_chains(self, slots: Array, ntok: Array) -> None:
         """Hash each newly full block: the last output token completed it, so it is

@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from spec import invariants
+from spec import async_sched, invariants
 from spec.config import SchedulerConfig, resolve, step_plan
 from spec.formats import (
     DEFAULT_EOS_TOKEN_ID,
@@ -78,6 +78,7 @@ class Request:
     finish_reason: str | None = None
     block_hashes: list[bytes] = field(default_factory=list)
     arrival_step: int = 0  # the engine's step count when it arrived (its age, for QUEUE.AGING)
+    num_output_placeholders: int = 0  # async scheduling: sampled tokens still in flight (rule ASYNC.PLACEHOLDER)
     # service-level targets in steps (issue 19, spec.slo); None: no target
     ttft_deadline: int | None = None  # last step in which its first token meets ttft_slo
     tpot_steps: int | None = None  # most steps between two of its tokens
@@ -93,6 +94,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Tokens including those sampled but not yet known (async scheduling)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -671,6 +677,8 @@ class SpecEngine:
         self.rejected: dict[str, str] = {}
         self._fed: dict[str, int] | None = None
         self._last: SchedulerOutput | None = None
+        self.in_flight: list | None = None  # async scheduling: the sampled tokens of the batch in flight
+        self._last_record: StepRecord | None = None  # async scheduling: its step number names outputs_step
         self.previous: SchedulerOutput | None = None  # the last step's decisions
         self._begin_step()
 
@@ -697,6 +705,14 @@ class SpecEngine:
         self.on_idle = [self._reset_ratio] if estimate else []
         #: run on each step's batch once it is computed (CACHE.REGISTER_WHEN_COMPUTED)
         self.on_computed = [self._register_computed] if self.config.cache_register == "computed" else []
+        asynchronous = plan.outputs == "ASYNC.OUTPUTS_NEXT_STEP"
+        #: tests that keep a running request out of the step (ASYNC.LAST_TOKEN_IN_FLIGHT)
+        self.running_checks = [RUNNING_CHECKS[c] for c in plan.running_checks]
+        #: one step: schedule, then apply this step's outputs (sync) or the previous step's (async)
+        self.run_step = self._step_async if asynchronous else self._step_sync
+        #: run on each step's batch once decided (ASYNC.PLACEHOLDER) and on each preempted request
+        self.after_schedule = [self._add_placeholders] if asynchronous else []
+        self.on_preempt = [async_sched.zero_placeholders] if asynchronous else []
         #: record fields only some configurations have
         self.record_extras = ([self._record_cpu_pool] if plan.preempt == "SWAP.OUT" else []) + \
             ([self._record_ratio] if estimate else [])
@@ -792,10 +808,33 @@ class SpecEngine:
         self._fed = dict(sampled)
 
     def step(self) -> StepRecord:
+        return self.run_step()
+
+    def _step_sync(self) -> StepRecord:
+        """STEP.OUTPUTS_SAME_STEP: schedule, sample, apply the outputs."""
         out = self.schedule()
         fed, self._fed = self._fed or {}, None
         tokens = {rid: fed[rid] if rid in fed else self._synthetic_token(rid) for rid in out.samplers}
         return self.update_from_output(tokens)
+
+    def _step_async(self) -> StepRecord:
+        """ASYNC.OUTPUTS_NEXT_STEP: schedule this step, then apply the outputs of the batch
+        in flight (the previous step's); this step's batch is in flight until the next."""
+        out = self.schedule()
+        self._last, self.previous = None, out
+        fed, self._fed = self._fed or {}, None
+        flight, self.in_flight = self.in_flight, async_sched.launch(self, out)
+        reasons: list[dict] = []
+        finished, took = async_sched.apply_outputs(self, flight or [], fed, reasons)
+        out.reasons.extend(reasons)
+        record = self._close_step(out, finished, took)
+        record.outputs_step = self._last_record.step if self._last_record is not None else -1
+        self._last_record = record
+        return record
+
+    def _add_placeholders(self, out: SchedulerOutput) -> None:
+        for rid in out.samplers:
+            async_sched.add_placeholder(self.requests[rid])
 
     def _synthetic_token(self, request_id: str) -> int:
         req = self.requests[request_id]
@@ -971,13 +1010,16 @@ class SpecEngine:
         for rid, n in scheduled.items():
             req = self.requests[rid]
             req.num_computed_tokens += n
-            out.scheduled.append(ScheduledRequest(rid, n, start[rid], req.num_computed_tokens >= req.num_tokens))
+            samples = req.num_computed_tokens >= req.num_tokens_with_placeholders
+            out.scheduled.append(ScheduledRequest(rid, n, start[rid], samples))
         if len(self.waiting) > 1:
             fired(WAIT_QUEUED)
         if self.trace_queue:
             self._explain_queue(out)
         if self.check_invariants:
             invariants.check_schedule(self, out, starved)
+        for hook in self.after_schedule:
+            hook(out)
         self._last = out
         return out
 
@@ -991,7 +1033,10 @@ class SpecEngine:
             if req.request_id in scheduled:  # served by an earlier phase (EDF.AT_RISK_FIRST)
                 i += 1
                 continue
-            n = chunk_size(req.num_tokens - req.num_computed_tokens, cap, budget)
+            if self.running_checks and any(check(req) for check in self.running_checks):
+                i += 1
+                continue
+            n = chunk_size(req.num_tokens_with_placeholders - req.num_computed_tokens, cap, budget)
             n = model_len_cap(n, req.num_computed_tokens, cfg)
             if n <= 0:
                 i += 1
@@ -1195,6 +1240,8 @@ class SpecEngine:
         self.kv.free(req.request_id)
         req.status = Status.PREEMPTED
         req.num_computed_tokens = 0
+        for hook in self.on_preempt:
+            hook(req)
         self.requeue(req)
 
     def _preempt_by_swap(self, req: Request, out: SchedulerOutput) -> None:
@@ -1251,6 +1298,10 @@ class SpecEngine:
                 finished.append((req.request_id, why))
                 rule_id = {FINISH_EOS: "STOP.EOS", FINISH_STOP_TOKEN: "STOP.STOP_TOKEN"}.get(why, "STOP.LENGTH")
                 out.reasons.append(reason(rule_id, req.request_id, f"finished: {why} after {len(req.output_token_ids)} tokens"))
+        return self._close_step(out, finished, took)
+
+    def _close_step(self, out: SchedulerOutput, finished: list[tuple[str, str]], took: dict[str, int]) -> StepRecord:
+        """End the step: drop finished requests from the running list and write the record."""
         if finished:
             self.running = [r for r in self.running if r.status == Status.RUNNING]
         self.clock += 1
@@ -1332,6 +1383,10 @@ class SpecEngine:
         record.cache_registered = registered if self.config.enable_prefix_caching else None
         if self.record_level == "exact":
             record.hit_blocks = out.hit_blocks
+
+
+#: Running-phase checks by rule id (StepPlan.running_checks).
+RUNNING_CHECKS = {"ASYNC.LAST_TOKEN_IN_FLIGHT": lambda req: async_sched.last_token_in_flight(req)}
 
 
 def run(trace: Trace, check_invariants: bool = False, trace_queue: bool = False, on_step=None) -> list[StepRecord]:
