@@ -411,14 +411,12 @@ def cmd_replay(args) -> int:
     import fuzz.engines  # noqa: F401  (registers gpu, gpu-model, reference)
     from fuzz.replay import replay_command
 
+    from spec.io import check_input_file
+
     inputs = {"TRACE": args.trace, "--engine-log": args.engine_log}
     check_outputs({"--log": args.log, "--spec-log": args.spec_log}, inputs)
-    for option, path in inputs.items():
-        if path:
-            from spec.io import check_input_file
-
-            check_input_file(path)
-
+    for path in filter(None, inputs.values()):
+        check_input_file(path)  # a FIFO or a directory is refused before the engine is built
     return replay_command(args.trace, args.engine, args.level, log_path=args.log, spec_log_path=args.spec_log,
                           json_out=args.json, engine_log=args.engine_log)
 

@@ -184,10 +184,6 @@ def _detect(path: str, detect) -> str:
     return detect(path)
 
 
-def _slos(slos: dict[str, float]) -> dict[str, float]:
-    return dict(slos)
-
-
 def _cost(args):
     """A preset by name, or a cost-model file validated field by field (:func:`spec.costmodel.load_file`)."""
     from spec.costmodel import PRESETS, load_file
@@ -199,7 +195,7 @@ def _cost(args):
     return load_file(args.cost_model)
 
 
-def _check_plots(args, outputs: dict, inputs: dict) -> None:
+def _check_outputs(args, outputs: dict, inputs: dict) -> None:
     """Refuse, before the simulation runs, outputs that would overwrite an input or a directory,
     and plots when matplotlib is not installed (the ``plot`` extra)."""
     from spec.io import check_outputs
@@ -399,7 +395,7 @@ def cmd_simulate(args) -> int:
     from spec.metrics import summarize
     from spec.simulate import scale_to_rate
 
-    _check_plots(args, {"--json": args.json, "--timeline": args.timeline, "--kv-plot": args.kv_plot, "--cdf": args.cdf},
+    _check_outputs(args, {"--json": args.json, "--timeline": args.timeline, "--kv-plot": args.kv_plot, "--cdf": args.cdf},
                  {"TRACE": args.trace})
     trace, fmt = _load(args, rate_default=1.0)
     if args.rate and fmt != "lengths":
@@ -410,7 +406,7 @@ def cmd_simulate(args) -> int:
     label = spec.text if spec else config.profile
     result = _simulate_with_progress(trace, config, cost, label, keep_records=args.timeline_start + args.timeline_steps if args.timeline else 0,
                                      engine=args.engine, check_engine=args.check_engine)
-    m = summarize(result, _slos(args.slo))
+    m = summarize(result, dict(args.slo))
     console.print(metrics_table({label: m}, f"{Path(args.trace).name} — {label} — cost model {cost.name}"))
     if args.json:  # before the plots: a plotting error never loses the metrics
         _write_json(args.json, {"trace": args.trace, "profile": label, "config": config.to_json(), "cost_model": cost.to_json(), "metrics": m})
@@ -424,11 +420,11 @@ def cmd_compare(args) -> int:
     from spec.metrics import summarize
     from spec.simulate import scale_to_rate
 
-    _check_plots(args, {"--json": args.json, "--cdf": args.cdf}, {"TRACE": args.trace})
+    _check_outputs(args, {"--json": args.json, "--cdf": args.cdf}, {"TRACE": args.trace})
     trace, fmt = _load(args, rate_default=1.0)
     if args.rate and fmt != "lengths":
         trace = scale_to_rate(trace, args.rate)
-    cost, overrides, slos = _cost(args), args.overrides, _slos(args.slo)
+    cost, overrides, slos = _cost(args), args.overrides, dict(args.slo)
     results, metrics = {}, {}
     for text in split_profiles(args.profiles):
         spec = parse_profile_spec(text)
@@ -455,9 +451,9 @@ def cmd_sweep(args) -> int:
 
     from fuzz.sweep import capacity, default_rates, parse_profile_spec, split_profiles, sweep
 
-    _check_plots(args, {"--json": args.json, **{f"--plot {p}": p for p in args.plot or []}}, {"TRACE": args.trace})
+    _check_outputs(args, {"--json": args.json, **{f"--plot {p}": p for p in args.plot or []}}, {"TRACE": args.trace})
     trace, fmt = _load(args, rate_default=1.0)
-    cost, overrides, slos = _cost(args), args.overrides, _slos(args.slo)
+    cost, overrides, slos = _cost(args), args.overrides, dict(args.slo)
     slos.setdefault("ttft", args.slo_ttft)
     specs = [parse_profile_spec(t) for t in split_profiles(args.profiles)]
     rates = args.rates or default_rates(trace)
