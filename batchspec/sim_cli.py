@@ -396,7 +396,7 @@ def cmd_simulate(args) -> int:
     from spec.simulate import scale_to_rate
 
     _check_outputs(args, {"--json": args.json, "--timeline": args.timeline, "--kv-plot": args.kv_plot, "--cdf": args.cdf},
-                 {"TRACE": args.trace})
+                   {"TRACE": args.trace})
     trace, fmt = _load(args, rate_default=1.0)
     if args.rate and fmt != "lengths":
         trace = scale_to_rate(trace, args.rate)
