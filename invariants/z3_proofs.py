@@ -31,6 +31,9 @@ COVERAGE: dict[str, list[str]] = {
     "LIVE.NO_IDLE_STALL": ["live.no_idle_stall.fcfs", "live.no_idle_stall.priority", "bmc.livelock.no_reject"],
     "QUEUE.FCFS_SORTED": ["bmc.passing.fcfs"],
     "QUEUE.ADMISSION_ORDER": ["bmc.passing.fcfs"],
+    "SLO.ADMITTED_FEASIBLE": ["slo.edf_ac.deadline", "slo.edf.order"],
+    "QUEUE.EDF_ORDER": ["slo.edf.order"],
+    "QUEUE.AGING_BOUNDED_OVERTAKING": ["slo.sprpt.overtaking"],
 }
 
 __all__ = ["BOUNDS", "COUNTEREXAMPLE", "COVERAGE", "PROVED", "UNKNOWN", "ProofRow", "all_ok", "cross_checks",

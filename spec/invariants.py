@@ -363,11 +363,11 @@ def _retract_victim(eng: "SpecEngine", out: "SchedulerOutput", starved: bool) ->
         live.remove(victim)
 
 
-@invariant("QUEUE.AGING_BOUNDED_OVERTAKING", profiles="aging_steps > 0 (priority-aging, spf-aging)")
+@invariant("QUEUE.AGING_BOUNDED_OVERTAKING", profiles="aging_steps > 0 (priority-aging, spf-aging, sprpt)")
 def _aging_bounded_overtaking(eng: "SpecEngine", out: "SchedulerOutput", starved: bool) -> Iterator[str]:
     """Under aging (aging_steps = A > 0) a request x is admitted ahead of a waiting request r that
     arrived before it only if x arrived fewer than (key_r - key_x) x A steps after r (key = priority,
-    or prompt length under spf).  So r can be overtaken only by requests arriving within
+    prompt length under spf, predicted remaining output under sprpt).  So r can be overtaken only by requests arriving within
     (key_r - key_min) x A steps after it: once r is that old, everything admitted before it arrived
     before it, and r waits at most (key_r - key_min) x A steps plus the time to serve the requests
     that arrived before it or in that window (no starvation)."""
@@ -383,7 +383,50 @@ def _aging_bounded_overtaking(eng: "SpecEngine", out: "SchedulerOutput", starved
                        f"(key {key(r)}, arrived step {r.arrival_step}) with aging_steps {cfg.aging_steps}")
 
 
+@invariant("QUEUE.EDF_ORDER", profiles="policy=edf (edf, edf-ac)")
+def _edf_order(eng: "SpecEngine", out: "SchedulerOutput", starved: bool) -> Iterator[str]:
+    """Under EDF the requests admitted in a step come before every request left waiting in
+    the order (deferred, TTFT deadline, arrival, id) (rule QUEUE.EDF): admission never passes
+    over a request that is due earlier, unless SLO admission control deferred it."""
+    if eng.config.policy != "edf" or not (out.new or out.resumed):
+        return
+    from spec.slo import edf_key
+
+    waiting = [edf_key(r) for r in eng.waiting]
+    if not waiting:
+        return
+    first = min(waiting)
+    for rid in _admitted(out):
+        key = edf_key(eng.requests[rid])
+        if key > first:
+            yield f"{rid} (deadline {key[1]}) admitted while {first[3]} (deadline {first[1]}) waits"
+
+
+@invariant("SLO.ADMITTED_FEASIBLE", profiles="slo_admission=refuse|defer (edf-ac)")
+def _admitted_feasible(eng: "SpecEngine", out: "SchedulerOutput", starved: bool) -> Iterator[str]:
+    """Under SLO admission control every request admitted in a step whose first token is not
+    out could still sample it by its TTFT deadline with the whole token budget from that step
+    on (rule SLO.FEASIBLE), unless it was deferred (then it is served best effort).  With the
+    modelled per-step cost -- the whole budget every step once admitted -- such a request
+    meets its TTFT target (proved exhaustively at small bounds: batchspec prove,
+    slo.edf_ac.deadline)."""
+    cfg = eng.config
+    if cfg.slo_admission == "off" or not (out.new or out.resumed):
+        return
+    from spec.slo import feasible
+
+    for rid in _admitted(out):
+        req = eng.requests[rid]
+        if req.deferred or req.first_token_step is not None:
+            continue
+        tokens = req.num_tokens  # everything it must compute (hits are not counted)
+        if not feasible(eng.clock, tokens, cfg.max_num_batched_tokens, req.ttft_deadline):
+            yield f"{rid} admitted at step {eng.clock}: {tokens} tokens cannot be prefilled by step {req.ttft_deadline}"
+
+
 SCHEDULE_CHECKS = (
+    "QUEUE.EDF_ORDER",
+    "SLO.ADMITTED_FEASIBLE",
     "PREEMPT.NEVER_UNDER_FULL_RESERVATION",
     "BATCH.STATIC_NO_JOIN",
     "BATCH.PREFILL_ONLY",

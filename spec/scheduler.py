@@ -974,7 +974,8 @@ class SpecEngine:
         """SLO admission control: every waiting request whose first token is not out and that
         can no longer sample it by its TTFT deadline, even with the whole token budget from
         this step on (SLO.FEASIBLE), is refused (SLO.REFUSE: rejected, slo_infeasible) or
-        deferred behind the feasible ones (SLO.DEFER), before anybody is admitted."""
+        deferred behind the feasible ones (SLO.DEFER), before anybody is admitted.  Under
+        "refuse" a request that was admitted once (preempted since) is deferred, not refused."""
         refuse = self.config.slo_admission == "refuse"
         budget = self.config.max_num_batched_tokens
         for req in list(self.waiting):
@@ -982,10 +983,8 @@ class SpecEngine:
                 continue
             if feasible(self.clock, req.num_tokens, budget, req.ttft_deadline):
                 continue
-            if refuse and req.status != Status.WAITING:
-                continue  # admitted once and preempted: it keeps its place (only new arrivals are refused)
             rid = req.request_id
-            if refuse:
+            if refuse and req.status == Status.WAITING:  # a preempted request was admitted once: deferred
                 self.waiting.remove(req)
                 del self.requests[rid]
                 self.rejected[rid] = SLO_INFEASIBLE

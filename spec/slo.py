@@ -137,7 +137,8 @@ SLO_REFUSE = declare(
     token is not out and that is not feasible (SLO.FEASIBLE) is rejected
     (``slo_infeasible``): it would only take capacity from requests that can still meet
     their targets.  Serving a lost request is what makes goodput collapse under overload
-    (SLOs-Serve, Andes).""",
+    (SLOs-Serve, Andes).  A request that was admitted once and preempted before its first
+    token is deferred instead (SLO.DEFER): its rejection would come after it was served.""",
     __name__,
     knobs=("slo_admission",),
 )

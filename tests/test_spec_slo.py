@@ -5,6 +5,7 @@ Every expected value below is worked out by hand in the comment above it, from t
 statements (spec/slo.py), not read off a run."""
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -224,3 +225,58 @@ def test_sprpt_aging_bounds_how_long_a_long_request_waits():
     no_aging = steps({"profile": "sprpt", "aging_steps": 0, "max_num_seqs": 1},
                      R("L", 1, 6, predicted_output_len=6), *shorts)
     assert {rid: s for s, r in no_aging.items() for rid in r.new}["L"] == 10  # after every short one
+
+
+# -- proofs and their mutants (batchspec prove rows slo.*) --------------------------------------
+
+needs_z3 = pytest.mark.skipif(importlib.util.find_spec("z3") is None,
+                              reason="the proof rows' ProofRow lives with the Z3 proofs (z3-solver not installed)")
+
+
+@needs_z3
+def test_the_shipped_slo_rows_are_proved():
+    from invariants.proofs import slo as proofs
+
+    for prove in proofs.PROOFS.values():
+        row = prove("ci")
+        assert row.result == "proved", (row.name, row.counterexample)
+
+
+def _late_feasible(now, tokens, budget, deadline):  # planted bug: one step too optimistic
+    return deadline is None or now + -(-tokens // budget) - 2 <= deadline
+
+
+def _strict_feasible(now, tokens, budget, deadline):  # planted bug: one step too cautious
+    return deadline is None or now + -(-tokens // budget) <= deadline
+
+
+@needs_z3
+@pytest.mark.parametrize("mutant, words", [(_late_feasible, "SLO.ADMITTED_FEASIBLE"), (_strict_feasible, "refused R")])
+def test_deadline_row_catches_a_wrong_feasibility_test(monkeypatch, mutant, words):
+    import spec.scheduler
+    from invariants.proofs import slo as proofs
+
+    monkeypatch.setattr(spec.scheduler, "feasible", mutant)  # the phase's rule, not the invariant's
+    row = proofs.prove_deadline("ci")
+    assert row.result == "counterexample" and words in row.counterexample
+
+
+@needs_z3
+def test_overtaking_row_catches_aging_that_does_not_age(monkeypatch):
+    import spec.queues
+    from invariants.proofs import slo as proofs
+
+    monkeypatch.setattr(spec.queues.AgingQueue, "key", lambda self, req, now: (self.base_key(req), req.arrival_seq,
+                                                                              req.request_id))
+    row = proofs.prove_sprpt_overtaking("ci")
+    assert row.result == "counterexample" and "QUEUE.AGING_BOUNDED_OVERTAKING" in row.counterexample
+
+
+@needs_z3
+def test_order_row_catches_a_queue_that_ignores_deadlines(monkeypatch):
+    import spec.queues
+    from invariants.proofs import slo as proofs
+
+    monkeypatch.setattr(spec.queues, "edf_key", lambda req: (req.deferred, 0, req.arrival_seq, req.request_id))
+    row = proofs.prove_edf_order("ci")
+    assert row.result == "counterexample" and "QUEUE.EDF_ORDER" in row.counterexample

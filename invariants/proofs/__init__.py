@@ -1,6 +1,6 @@
 """Z3 proofs of the invariant catalogue (``batchspec prove``).
 
-Four kinds, each a module of small proof functions returning a :class:`ProofRow`:
+Five kinds, each a module of small proof functions returning a :class:`ProofRow`:
 
 * :mod:`~invariants.proofs.memory` — every block-pool action (allocate, touch,
   free, evict, preempt) preserves MEM.CONSERVATION, MEM.REFCOUNT and
@@ -11,6 +11,10 @@ Four kinds, each a module of small proof functions returning a :class:`ProofRow`
   requests, every knob value and every allocation outcome;
 * :mod:`~invariants.proofs.translation` — the GPU engine's vectorized formulas
   (``gpu_engine.formulas``, run on Z3 terms) equal the spec's sequential loops;
+* :mod:`~invariants.proofs.slo` — exhaustive small-bound runs of the spec for the
+  SLO-aware policies (issue 19): EDF admission control meets every admitted deadline when
+  the per-step cost is as modelled, and refuses exactly what could not; sprpt's aging bounds
+  overtaking; EDF admits in deadline order;
 * :mod:`invariants.bmc` — bounded model checking: the shortest trace to a bad
   state, written as a replayable trace file.  Safety rows ("no trace within the
   bound reaches it") are proved when Z3 finds none; reachability rows ("with
@@ -82,6 +86,9 @@ def _catalogue(bound: str, trace_dir: str | None) -> list[tuple[str, Callable[[]
         ("tv.admission", lambda: translation.prove_admission(b["tv_admission"][0], max_hits=b["tv_admission"][1])),
         ("tv.stop", lambda: translation.prove_stop_codes(b["tv_stop"])),
     ]
+    from invariants.proofs import slo  # issue 19: exhaustive runs of the spec, not Z3
+
+    out += [(name, lambda fn=fn: fn(bound)) for name, fn in slo.PROOFS.items()]
     out += [
         ("bmc.livelock.no_reject", lambda: _bmc_livelock(b["bmc_steps"], trace_dir)),
         ("bmc.passing.priority", lambda: _bmc_passing("priority", b["bmc_passing_steps"], trace_dir)),
