@@ -96,6 +96,36 @@ def test_random_traces_agree_at_the_exact_level(vllm_ready):
                     f"(re-run one: batchspec replay with fuzz.generate.random_trace(seed)):\n{shown}", pytrace=False)
 
 
+@pytest.mark.parametrize("name", ["last_token_in_flight", "eos_gets_one_more_decode",
+                                  "placeholders_count_against_max_model_len", "abort_drops_the_token_in_flight"])
+def test_async_scenarios_on_live_vllm(vllm_ready, name):
+    """vLLM 0.32's AsyncScheduler, driven with a batch queue of 2, does what each hand-worked
+    scenario of tests/async_scenarios.py says (issue #15), and the spec agrees."""
+    from async_scenarios import SCENARIOS, view
+
+    from fuzz.replay import replay
+
+    trace, expected = SCENARIOS[name]
+    result = replay(trace, "vllm", "exact")
+    assert view(result.engine_records) == expected
+    assert result.agreed, result.describe()
+
+
+def test_random_async_traces_agree_at_the_exact_level(vllm_ready):
+    """Async scheduling on (examples/vllm-v1-async.capabilities.json pins async_scheduling: the
+    generator's vllm-v1 family draws with it on): at least 2,000 traces agree at the exact level."""
+    from fuzz.capabilities import load
+    from fuzz.conform import run_conformance
+
+    envelope = load(Path(__file__).parent.parent / "examples" / "vllm-v1-async.capabilities.json")
+    report = run_conformance(N_TRACES, seed=0, level="exact", engine="vllm", progress=False, capabilities=envelope)
+    assert report.n_traces >= 2000
+    if not report.all_agreed:
+        shown = "\n\n".join(f"seed {o.seed}: {o.explanation}" for o in report.divergent[:5])
+        pytest.fail(f"{len(report.divergent)} of {report.n_traces} async traces diverge "
+                    f"(re-run one: fuzz.generate.random_trace(seed, async_scheduling=True)):\n{shown}", pytrace=False)
+
+
 def _corpus_pairs():
     return sorted((t, CORPUS / "vllm" / (t.stem + ".log.jsonl")) for t in CORPUS.glob("*.jsonl")
                   if (CORPUS / "vllm" / (t.stem + ".log.jsonl")).exists())
