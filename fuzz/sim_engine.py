@@ -41,7 +41,7 @@ from spec.simulate import BatchTracker, RequestTimes, SimResult, StallError, Ste
 
 ENGINES = ("spec", "gpu")
 CHECKS = ("sampled", "full", "off")
-CHECK_REQUESTS = 1000  # the window a sampled check simulates with both engines
+CHECK_REQUESTS = 500  # the window a sampled check simulates with both engines
 
 
 # --------------------------------------------------------------------------
@@ -82,10 +82,96 @@ def synthetic_range(label: str, start: int, stop: int, vocab_size: int) -> np.nd
     return FIRST_SYNTHETIC_TOKEN + out % (vocab_size - FIRST_SYNTHETIC_TOKEN)
 
 
+def _crc_many(bases: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """``crc32(label_j + "#" + str(index_j))`` for every j, ``bases[j]`` the inverted CRC
+    state after ``label_j + "#"`` (one pass per decimal digit position)."""
+    out = np.empty(len(index), dtype=np.int64)
+    digits = np.ones(len(index), dtype=np.int64)
+    for d in range(1, 20):
+        digits += index >= 10 ** d
+    for d in np.unique(digits).tolist():
+        sel = np.flatnonzero(digits == d)
+        idx, state = index[sel], bases[sel]
+        for pos in range(d):
+            byte = ((idx // 10 ** (d - 1 - pos)) % 10 + 48).astype(np.uint32)
+            state = _CRC[(state ^ byte) & 0xFF] ^ (state >> np.uint32(8))
+        out[sel] = (~state).astype(np.int64) & 0xFFFFFFFF
+    return out
+
+
+#: Per worker process: synthesized prompts by request key (see :func:`prime_prompts`), until handed
+#: to an engine (whose prompt cache keeps them); the keys handed.
+_PROMPTS: dict = {}
+_HANDED: set = set()
+_PRIME_CHUNK = 1 << 21  # tokens synthesized per vectorized pass
+
+
+def _prompt_key(request: TraceRequest, vocab_size: int):
+    return (request.id, request.prompt_len, request.prefix_group, request.prefix_len, vocab_size)
+
+
+def prime_prompts(requests: list[TraceRequest], vocab_size: int) -> None:
+    """Synthesize the prompts of many requests in a few vectorized passes (the per-request
+    cost of :func:`synthetic_range` is mostly fixed), into this process's cache."""
+    todo = [r for r in requests if r.prompt is None and _prompt_key(r, vocab_size) not in _PROMPTS
+            and _prompt_key(r, vocab_size) not in _HANDED]
+    span = vocab_size - FIRST_SYNTHETIC_TOKEN
+    i = 0
+    while i < len(todo):
+        chunk, total = [], 0
+        while i < len(todo) and (not chunk or total + todo[i].prompt_len <= _PRIME_CHUNK):
+            chunk.append(todo[i])
+            total += todo[i].prompt_len
+            i += 1
+        bases, index, lengths = [], [], []
+        for r in chunk:
+            shared = min(r.prefix_len, r.prompt_len) if r.prefix_group else 0
+            for label, lo, hi in ((f"{r.prefix_group}#pre", 0, shared), (f"{r.id}#in", shared, r.prompt_len)):
+                if hi > lo:
+                    bases.append(~zlib.crc32(f"{label}#".encode()) & 0xFFFFFFFF)
+                    index.append(np.arange(lo, hi, dtype=np.int64))
+                    lengths.append(hi - lo)
+        flat = FIRST_SYNTHETIC_TOKEN + _crc_many(np.repeat(np.asarray(bases, dtype=np.uint32), lengths),
+                                                 np.concatenate(index)) % span
+        start = 0
+        for r in chunk:
+            _PROMPTS[_prompt_key(r, vocab_size)] = flat[start:start + r.prompt_len]
+            start += r.prompt_len
+    _prime_outputs(requests, vocab_size)
+
+
+def _prime_outputs(requests: list[TraceRequest], vocab_size: int) -> None:
+    """Every output token of many requests at once, into :data:`_OUTPUT_CACHE`."""
+    todo = [r for r in requests if _output_key(r, vocab_size) not in _OUTPUT_CACHE and r.max_tokens > 0]
+    if not todo:
+        return
+    lengths = [r.max_tokens for r in todo]
+    bases = np.repeat(np.asarray([~zlib.crc32(f"{r.id}#out#".encode()) & 0xFFFFFFFF for r in todo], dtype=np.uint32),
+                      lengths)
+    index = np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])
+    flat = FIRST_SYNTHETIC_TOKEN + _crc_many(bases, index) % (vocab_size - FIRST_SYNTHETIC_TOKEN)
+    start = 0
+    for r, n in zip(todo, lengths):
+        tokens = flat[start:start + n].copy()
+        given = r.output_tokens[:n]
+        tokens[:len(given)] = given
+        _OUTPUT_CACHE[_output_key(r, vocab_size)] = tokens
+        start += n
+
+
+def _output_key(request: TraceRequest, vocab_size: int):
+    return (request.id, request.max_tokens, request.output_tokens, vocab_size)
+
+
 def prompt_tokens(request: TraceRequest, vocab_size: int) -> list[int]:
     """``request.prompt_token_ids(vocab_size)``, synthesized in bulk."""
     if request.prompt is not None:
         return list(request.prompt)
+    key = _prompt_key(request, vocab_size)
+    _HANDED.add(key)
+    cached = _PROMPTS.pop(key, None)  # (primed; the engine's cache keeps it)
+    if cached is not None:
+        return cached.tolist()
     shared = min(request.prefix_len, request.prompt_len) if request.prefix_group else 0
     head = synthetic_range(f"{request.prefix_group}#pre", 0, shared, vocab_size) if shared else np.empty(0, np.int64)
     tail = synthetic_range(f"{request.id}#in", shared, request.prompt_len, vocab_size)
@@ -99,7 +185,7 @@ _OUTPUT_CACHE: dict = {}
 def output_tokens(request: TraceRequest, first: int, count: int, vocab_size: int) -> np.ndarray:
     """``[request.output_token(i, vocab_size) for i in range(first, first + count)]`` (an array),
     from this process's cache of every output token the request can sample."""
-    key = (request.id, request.max_tokens, request.output_tokens, vocab_size)
+    key = _output_key(request, vocab_size)
     tokens = _OUTPUT_CACHE.get(key)
     if tokens is None:
         tokens = synthetic_range(f"{request.id}#out", 0, max(request.max_tokens, first + count), vocab_size)
@@ -130,7 +216,17 @@ def make_gpu_engine(trace: Trace, config: SchedulerConfig):
     engine = GpuEngine(config, trace.vocab_size, trace.eos_token_id, level=level, prompt_cache=_PROMPT_CACHE)
     engine.want_shape = level == "decisions"
     vocab = trace.vocab_size
-    engine.prompt_tokens = lambda req: prompt_tokens(req, vocab)
+    order = sorted(trace.requests, key=arrival_ns)
+    position = {r.id: i for i, r in enumerate(order)}
+
+    def prompt(req: TraceRequest) -> list[int]:
+        key = _prompt_key(req, vocab)
+        if req.prompt is None and key not in _PROMPTS and key not in _HANDED and req.id in position:
+            at = position[req.id]  # prime the next arrivals with it, a bounded number of tokens at a time
+            prime_prompts(order[at:at + 4000], vocab)
+        return prompt_tokens(req, vocab)
+
+    engine.prompt_tokens = prompt
     engine.output_tokens = lambda req, first, count: output_tokens(req, first, count, vocab)
     return engine
 
