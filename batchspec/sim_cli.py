@@ -137,7 +137,7 @@ def _add_sim_args(p) -> None:
                         "several times faster: decode spans in closed form)")
     p.add_argument("--check-engine", choices=("sampled", "full", "off"), default="sampled",
                    help="with --engine gpu, compare its decisions with the spec's: sampled (default: the first "
-                        "1000 arrivals; in a sweep at the lowest and highest rate), full (every run, whole), off")
+                        "500 arrivals; in a sweep at the lowest and highest rate), full (every run, whole), off")
 
 
 def _import_options(args, rate_default: float | None = None):
