@@ -62,6 +62,7 @@ LOG_CHECKS: dict[str, str] = {
     "MEM.FREE_XOR_HELD": "exact level",
     "MEM.BLOCKS_MATCH_COMPUTED": "memory level",
     "MEM.TABLE_APPEND_ONLY": "exact level",
+    "LOG.STATE_CONSISTENT": "the optional state fields",
     "REQ.IDLE_HOLDS_NOTHING": "memory level",
     "MEM.SLOTS_COVER_COMPUTED": "memory level",
     "CACHE.HITS_CONSISTENT": "memory level",
@@ -109,6 +110,11 @@ LOG_STATEMENTS: dict[str, str] = {
     "MEM.TABLE_APPEND_ONLY": (
         "While a request runs its block table only grows, with blocks that no request running through "
         "the step held before it (its prefix hits at admission excepted); such blocks are never evicted."),
+    "LOG.STATE_CONSISTENT": (
+        "The optional state fields agree with the decisions: computed names the running requests with "
+        "the tokens their chunks add up to; VTC counters never decrease; hit_blocks are the first blocks of "
+        "the table, one per hit block; a request registers each block once per admission, only blocks "
+        "full of computed tokens."),
     "CACHE.HITS_CONSISTENT": (
         "cache_hits names exactly the requests admitted from the waiting queue in the step, each hit "
         "a whole number of blocks (0 without prefix caching); blocks are evicted only with prefix caching."),
@@ -135,6 +141,7 @@ class _Req:
     preempted: bool = False  # preempted since its last admission (so it may be resumed)
     hit_unknown: bool = False  # admitted with an unlogged prefix hit: ``computed`` is a lower bound
     hit_blocks: int = 0  # blocks it took from the prefix cache at admission (the only ones it may share)
+    registered: set = field(default_factory=set)  # block ordinals it registered in the cache since admission
 
 
 @dataclass
@@ -179,6 +186,7 @@ class LogChecker:
         self._tables: dict[str, list[int]] = {}  # block_ids at the end of the previous record
         self._held: dict[str, int] = {}  # blocks at the end of the previous record
         self._ratio = config.new_token_ratio_init  # new_token_ratio at the end of the previous record
+        self._vtc: dict[str, float] = {}  # vtc_counters at the end of the previous record that logged them
         self._rules = _rule_ids()
         self.vocab = trace.vocab_size if trace is not None else MAX_VOCAB_SIZE
         if trace is not None:
@@ -248,6 +256,7 @@ class LogChecker:
         self._check_cache(rec)
         self._check_swap_and_ratio(rec)
         self._check_reasons(rec)
+        self._check_state(rec, throughout)
         self._prev_step = s if self._prev_step is None else max(s, self._prev_step)
 
     # -- the record as a whole ------------------------------------------------
@@ -462,6 +471,7 @@ class LogChecker:
 
     def _join(self, r: _Req) -> None:
         r.state, r.admitted_seq, r.preempted, r.hit_blocks = "running", self._admissions, False, 0
+        r.registered = set()
         self._admissions += 1
 
     def _ordered(self) -> bool:
@@ -708,6 +718,83 @@ class LogChecker:
                     self.flag("ESTIMATE.RATIO_BOUNDS", s, None, f"new_token_ratio {r} after {self._ratio} with no "
                               f"retraction (expected it or {decayed})", "new_token_ratio")
             self._ratio = r
+
+    def _check_state(self, rec: StepRecord, throughout: list[str]) -> None:
+        """LOG.STATE_CONSISTENT: the optional state fields (spec.formats.STATE_FIELDS) agree with
+        what the log's decisions imply."""
+        s, cfg, bs = rec.step, self.cfg, self.cfg.block_size
+        if rec.computed is not None:
+            running = {r.request_id: r for r in self.running()}
+            for rid in sorted(set(rec.computed) ^ set(running)):
+                self.flag("LOG.STATE_CONSISTENT", s, rid, "computed must name exactly the running requests", "computed")
+            for rid, n in rec.computed.items():
+                r = running.get(rid)
+                if r is None:
+                    continue
+                if r.hit_unknown:  # the chunks since admission plus an unlogged hit of whole blocks
+                    if n < r.computed or (n - r.computed) % bs:
+                        self.flag("LOG.STATE_CONSISTENT", s, rid, f"computed {n}: not the log's chunks ({r.computed}) "
+                                  f"plus whole blocks of prefix hit", "computed")
+                    else:
+                        r.computed, r.hit_unknown = n, False  # the state field tells the hit
+                elif n != r.computed:
+                    self.flag("LOG.STATE_CONSISTENT", s, rid, f"computed {n}; the log's chunks add up to {r.computed}", "computed")
+        if rec.vtc_counters is not None:
+            for tenant, value in rec.vtc_counters.items():
+                if cfg.policy != "vtc" or value < self._vtc.get(tenant, 0.0) - 1e-9 * max(1.0, value):
+                    self.flag("LOG.STATE_CONSISTENT", s, None, f"tenant {tenant!r}: counter {value} after "
+                              f"{self._vtc.get(tenant, 0.0)} (VTC counters never decrease)", "vtc_counters")
+            for tenant in sorted(set(self._vtc) - set(rec.vtc_counters)):
+                self.flag("LOG.STATE_CONSISTENT", s, None, f"tenant {tenant!r} left the counters", "vtc_counters")
+            self._vtc = dict(rec.vtc_counters)
+        if rec.estimate_rem is not None and (cfg.admission != "estimate" or rec.estimate_rem > cfg.usable_blocks * bs):
+            self.flag("LOG.STATE_CONSISTENT", s, None, f"estimate_rem {rec.estimate_rem} above the pool's "
+                      f"{cfg.usable_blocks * bs} tokens (or not under admission=estimate)", "estimate_rem")
+        if rec.hit_blocks is not None:
+            self._check_hit_blocks(rec)
+        if rec.cache_registered is not None:
+            self._check_registered(rec, set(throughout))
+
+    def _check_hit_blocks(self, rec: StepRecord) -> None:
+        s, bs = rec.step, self.cfg.block_size
+        hits = rec.cache_hits or {}
+        want = {rid for rid, h in hits.items() if h}
+        for rid in sorted(set(rec.hit_blocks) ^ want) if rec.cache_hits is not None else sorted(rec.hit_blocks):
+            self.flag("LOG.STATE_CONSISTENT", s, rid, "hit_blocks must name exactly the requests with a prefix hit", "hit_blocks")
+        for rid, ids in rec.hit_blocks.items():
+            table = (rec.block_ids or {}).get(rid)
+            if len(ids) * bs != hits.get(rid, 0) or (table is not None and table[: len(ids)] != ids):
+                self.flag("LOG.STATE_CONSISTENT", s, rid, f"hit blocks {ids[:6]} for a hit of {hits.get(rid, 0)} tokens"
+                          + (f", table {table[:6]}" if table is not None else ""), "hit_blocks")
+
+    def _check_registered(self, rec: StepRecord, throughout: set[str]) -> None:
+        """A request registers each block once per admission, only blocks full of computed tokens."""
+        s, bs = rec.step, self.cfg.block_size
+        for rid, ordinals in rec.cache_registered.items():
+            r = self.reqs.get(rid)
+            if not self.cfg.enable_prefix_caching or r is None:
+                self.flag("LOG.STATE_CONSISTENT", s, rid, "a registration without prefix caching or request", "cache_registered")
+                continue
+            if not ordinals:
+                self.flag("LOG.STATE_CONSISTENT", s, rid, "a registration entry that names no block", "cache_registered")
+            again = sorted(set(ordinals) & r.registered) or sorted({o for o in ordinals if ordinals.count(o) > 1})
+            if again:
+                self.flag("LOG.STATE_CONSISTENT", s, rid, f"block ordinals {again[:4]} registered twice", "cache_registered")
+            r.registered.update(ordinals)
+            known = rid not in rec.preempted and not r.hit_unknown and (r.state == "running" or rid in dict(rec.finished))
+            if known and ordinals and max(ordinals) >= r.computed // bs:
+                self.flag("LOG.STATE_CONSISTENT", s, rid, f"block ordinal {max(ordinals)} registered with only "
+                          f"{r.computed} tokens computed", "cache_registered")
+        if not self.cfg.enable_prefix_caching:
+            return
+        for rid in [r.request_id for r in self.running()] + [rid for rid, _ in rec.finished]:
+            r = self.reqs[rid]  # every block full of computed tokens is a hit or was registered
+            if r.hit_unknown or rid in rec.preempted:
+                continue
+            missing = sorted(set(range(r.hit_blocks, r.computed // bs)) - r.registered)
+            if missing:
+                self.flag("LOG.STATE_CONSISTENT", s, rid, f"full blocks {missing[:4]} never registered "
+                          f"({r.computed} tokens computed)", "cache_registered")
 
     def _check_reasons(self, rec: StepRecord) -> None:
         """LOG.REASONS_KNOWN: reasons cite registered rules about known requests."""

@@ -60,6 +60,9 @@ def source(name: str):
         trace = random_trace(_first_seed("vllm-v0-swap", lambda rs: any(r.swapped_in and len(r.scheduled) > len(r.resumed) for r in rs)), profile="vllm-v0-swap")
     elif name == "idle":  # the engine goes idle twice: the driver skips to the next arrival
         trace = random_trace(_first_seed("vllm-v1", _idle_twice), profile="vllm-v1")
+    elif name == "vtc":  # policy=vtc: tenants' counters in the log's state fields
+        trace = random_trace(_first_seed("vtc", lambda rs: sum(bool(r.vtc_counters and any(r.vtc_counters.values()))
+                                                               for r in rs) > 2), profile="vtc")
     elif name == "sglang":  # admission=estimate: new_token_ratio, retraction
         trace = random_trace(_first_seed("sglang", lambda rs: any(r.preempted for r in rs)), profile="sglang")
     else:
@@ -456,6 +459,51 @@ def num_evicted_plus_one(recs, trace):
     return "num_evicted"
 
 
+def computed_plus_one(recs, trace):
+    rec = _rec(recs, lambda r: r["computed"])
+    rec["computed"][next(iter(rec["computed"]))] += 1
+    return "computed"
+
+
+def computed_of_finished(recs, trace):
+    i = next(i for i, r in enumerate(recs) if r["finished"])
+    recs[i]["computed"][recs[i]["finished"][0][0]] = 1
+    return "computed"
+
+
+def vtc_counter_decreases(recs, trace):
+    rec = [r for r in recs if r["vtc_counters"] and any(r["vtc_counters"].values())][-1]
+    tenant = max(rec["vtc_counters"], key=rec["vtc_counters"].get)
+    rec["vtc_counters"][tenant] /= 2
+    return "vtc_counters"
+
+
+def hit_block_wrong_id(recs, trace):
+    rec = _rec(recs, lambda r: r["hit_blocks"])
+    ids = next(iter(rec["hit_blocks"].values()))
+    ids[0] += 1
+    return "hit_blocks"
+
+
+def registered_twice(recs, trace):
+    rec = _rec(recs, lambda r: r["cache_registered"])
+    ordinals = next(iter(rec["cache_registered"].values()))
+    ordinals.append(ordinals[0])
+    return "cache_registered"
+
+
+def registered_beyond_computed(recs, trace):
+    rec = _rec(recs, lambda r: r["cache_registered"])
+    next(iter(rec["cache_registered"].values())).append(1000)
+    return "cache_registered"
+
+
+def estimate_rem_above_the_pool(recs, trace):
+    rec = _rec(recs, lambda r: r.get("estimate_rem") is not None)
+    rec["estimate_rem"] = float(10**9)
+    return "estimate_rem"
+
+
 @dataclass(frozen=True)
 class Corruption:
     edit: object
@@ -478,6 +526,10 @@ CORRUPTIONS = [
     Corruption(new_again), Corruption(wrong_victim), Corruption(wrong_victim, trace="preemption"),
     Corruption(preempted_idle), Corruption(swapped_out_not_preempted, trace="swap"),
     Corruption(swapped_in_not_resumed, trace="swap"),
+    # the optional state fields (issue 18)
+    Corruption(computed_plus_one), Corruption(computed_of_finished), Corruption(vtc_counter_decreases, trace="vtc"),
+    Corruption(registered_twice, levels=MEMORY), Corruption(registered_beyond_computed, levels=MEMORY),
+    Corruption(estimate_rem_above_the_pool, trace="sglang", levels=MEMORY), Corruption(hit_block_wrong_id, levels=EXACT),
     # memory level
     Corruption(unknown_blocks, levels=MEMORY), Corruption(unknown_cache_hit, levels=MEMORY),
     Corruption(free_blocks_plus_one, levels=MEMORY), Corruption(free_blocks_minus_one, levels=MEMORY),
@@ -500,7 +552,7 @@ CORRUPTIONS = [
 ]
 CASES = [pytest.param(c, level, id=f"{c.edit.__name__}-{c.trace}-{level}")
          for c in CORRUPTIONS for level in c.levels]
-LOGS = [(name, level) for name in ("quickstart", "preemption", "swap", "sglang", "idle") for level in LEVELS]
+LOGS = [(name, level) for name in ("quickstart", "preemption", "swap", "sglang", "idle", "vtc") for level in LEVELS]
 
 
 def corrupted(c: Corruption, level: str) -> tuple[list[dict], str]:
@@ -610,7 +662,7 @@ def _mutations(key: str, value, trace_ids: list[str]):
     other = next((rid for rid in trace_ids if rid not in members), GHOST)
     if isinstance(value, dict):
         keys = list(value)
-        table = key == "block_ids"
+        table = key in ("block_ids", "cache_registered", "hit_blocks")  # request -> a list of ints
         if keys:
             yield "drop key", {k: v for k, v in value.items() if k != keys[0]}
             first = value[keys[0]]
