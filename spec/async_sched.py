@@ -48,7 +48,7 @@ SAME_STEP = declare(
     fires=False,
 )
 
-MAX_MODEL_LEN = declare(
+PLACEHOLDERS_COUNT = declare(
     "ASYNC.PLACEHOLDERS_COUNT",
     """A placeholder counts as a computed token: a running request is scheduled the
     tokens it lacks *including* its placeholders (``num_tokens + placeholders -

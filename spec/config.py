@@ -657,10 +657,12 @@ ASYNC_NEEDS = {"batching": "continuous", "kv_reservation": "step", "admission": 
 
 
 def _check_async(cfg: SchedulerConfig) -> None:
+    """The error names the other knob, so that a campaign that fixes async_scheduling moves
+    that knob to its next value (fuzz.capabilities rotates the knob a ConfigError names)."""
     for name, value in ASYNC_NEEDS.items():
         if getattr(cfg, name) != value:
-            raise ConfigError("async_scheduling", f"is specified with {name}={value} (vLLM V1's), "
-                                                  f"not {name}={getattr(cfg, name)!r}")
+            raise ConfigError(name, f"async_scheduling=true is specified with {name}={value} (vLLM V1's), "
+                                    f"not {getattr(cfg, name)!r}")
 
 
 def resolve(raw: dict[str, Any] | None) -> SchedulerConfig:

@@ -1038,6 +1038,8 @@ class SpecEngine:
             n = chunk_size(req.num_tokens_with_placeholders - req.num_computed_tokens, cap, budget)
             n = model_len_cap(n, req.num_computed_tokens, cfg)
             if n <= 0:
+                if req.num_output_placeholders:  # its in-flight token reaches max_model_len
+                    fired(async_sched.PLACEHOLDERS_COUNT)
                 i += 1
                 continue
             alloc = self.kv.allocate_slots(req, n)
