@@ -92,6 +92,28 @@ def _slo_arg(text: str) -> dict[str, float]:
     return out
 
 
+def _targets_arg(text: str) -> dict:
+    """``ttft=S,tpot=S[,share=F][,class=NAME]``: one SLO class (issue 19)."""
+    from batchspec.cli import text_option
+    from spec.io import parse_float_value
+
+    out: dict = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, eq, value = (x.strip() for x in part.partition("="))
+        if not eq or name not in ("ttft", "tpot", "share", "class"):
+            raise argparse.ArgumentTypeError(f"expected ttft=S,tpot=S,share=F,class=NAME, got {part!r}")
+        if name == "class":
+            out[name] = text_option(value)
+            continue
+        try:
+            out[name] = parse_float_value(value, name, 0, 1.0 if name == "share" else MAX_RATE, exclusive_minimum=True)
+        except OptionError as e:
+            raise argparse.ArgumentTypeError(f"{e.option}: {e.problem}") from None
+    if "ttft" not in out and "tpot" not in out:
+        raise argparse.ArgumentTypeError("a class needs ttft=S and/or tpot=S")
+    return out
+
+
 def _plot_path(text: str) -> str:
     if Path(text).suffix.lower() not in (".png", ".svg"):
         raise argparse.ArgumentTypeError(f"{text}: plots are written as .png or .svg")
@@ -131,6 +153,13 @@ def _add_sim_args(p) -> None:
                    help="knobs applied to every run (e.g. num_blocks=4096)")
     p.add_argument("--slo", default={}, type=_slo_arg, metavar="ttft=S,tpot=S,e2e=S",
                    help="goodput SLOs in seconds, e.g. ttft=2,tpot=0.1,e2e=30")
+    p.add_argument("--targets", action="append", type=_targets_arg, metavar="ttft=S,tpot=S[,share=F,class=NAME]",
+                   help="an SLO class (seconds; repeatable, requests split among classes by share, by a hash of "
+                        "their id; a class's index is its priority): given to every request without targets of its "
+                        "own; the SLO policies (edf, edf-ac) schedule by them, the metrics report attainment and "
+                        "SLO goodput")
+    p.add_argument("--predict", choices=("none", "oracle"), default="none",
+                   help="predicted output length for sprpt: oracle = the request's real length (max_tokens)")
     p.add_argument("--json", metavar="FILE", help="write the metrics as JSON to this file")
     p.add_argument("--engine", choices=("spec", "gpu"), default="spec",
                    help="whose decisions to simulate: the spec's (default) or gpu_engine's (scheduler-only, "
@@ -162,7 +191,13 @@ def _load(args, rate_default: float | None = None):
         dropped = sum(report.dropped.values())
         console.print(f"[dim]{Path(args.trace).name}: {report.format}, {report.requests:,} requests"
                       + (f" ({dropped:,} rows dropped)" if dropped else "") + f", {report.rate:.3g}/s over {report.span_s:,.0f} s[/]")
-    return with_arrival_times(trace), fmt
+    trace = with_arrival_times(trace)
+    targets = getattr(args, "targets", None) or []
+    if targets or getattr(args, "predict", "none") != "none":
+        from fuzz.sweep import with_targets  # issue 19: SLO classes and predicted lengths
+
+        trace = with_targets(trace, targets, args.predict)
+    return trace, fmt
 
 
 def _detect(path: str, detect) -> str:
@@ -473,7 +508,9 @@ def cmd_sweep(args) -> int:
         if p.error and math.isnan(p.rate):
             err_console.print(f"[yellow]skipped profile[/] {p.profile}: {p.error}", highlight=False)
     table = Table(title=f"{Path(args.trace).name}: TTFT against arrival rate — cost model {cost.name}")
-    for col in ("profile", "rate/s", "TTFT p50", "p95", "p99 (s)", "TPOT p99 (ms)", "req/s", "goodput", "preempt", "queue growth"):
+    targeted = any(p.metrics is not None and p.metrics.slo_attainment is not None for p in points)
+    for col in ("profile", "rate/s", "TTFT p50", "p95", "p99 (s)", "TPOT p99 (ms)", "req/s", "goodput", "preempt",
+                "queue growth") + (("SLO attained", "SLO goodput/s") if targeted else ()):
         table.add_column(col, justify="left" if col == "profile" else "right",
                          min_width=None)
     skipped: dict[str, list[str]] = {}
@@ -484,13 +521,15 @@ def cmd_sweep(args) -> int:
             skipped.setdefault(p.profile, []).append(f"{p.rate:g}")
             continue
         if p.metrics is None:
-            table.add_row(p.profile, f"{p.rate:g}", f"[red]{p.error}[/]", "", "", "", "", "", "", "")
+            table.add_row(p.profile, f"{p.rate:g}", f"[red]{p.error}[/]", "", "", "", "", "", "", "", *(("", "") if targeted else ()))
             continue
         m = p.metrics
         growth = "-" if math.isnan(m.queue_growth) else f"{m.queue_growth:+.0%}" + (" [red]unbounded[/]" if m.unbounded_queue else "")
         table.add_row(p.profile, f"{p.rate:g}", f"{m.ttft.p50:.3g}", f"{m.ttft.p95:.3g}", f"{m.ttft.p99:.3g}",
                       f"{m.tpot.p99 * 1000:.1f}", f"{m.request_throughput:.3g}", f"{m.goodput:.3g}" if m.goodput is not None else "-",
-                      f"{m.preemptions:,}", growth)
+                      f"{m.preemptions:,}", growth, *((f"{m.slo_attainment:.0%}", f"{m.slo_goodput:.3g}")
+                                                      if targeted and m.slo_attainment is not None else
+                                                      (("-", "-") if targeted else ())))
     console.print(readable(table, compact=True, width=console.width))
     for profile, rates_ in skipped.items():
         console.print(f"[dim]{profile}: not run at {', '.join(rates_)}/s (beyond its capacity boundary; --all-rates runs them)[/]")

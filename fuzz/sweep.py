@@ -105,7 +105,60 @@ def run_config(trace: Trace, spec: ProfileSpec | None, cost: CostModel, override
     for knob, value in cost.knobs.items():
         raw.setdefault(knob, value)
     raw.update(overrides or {})
-    return resolve(raw)
+    config = resolve(raw)
+    if "slo_step_s" not in raw and any(r.ttft_slo is not None or r.tpot_slo is not None for r in trace.requests):
+        config = dataclasses.replace(config, slo_step_s=modelled_step_s(cost, config))
+    return config
+
+
+def modelled_step_s(cost: CostModel, config: SchedulerConfig) -> float:
+    """The step the SLO rules model (SLO.FEASIBLE: the whole token budget of prefill), timed by
+    the cost model: what a timed trace's targets in seconds are divided by to get the
+    scheduler's steps (knob ``slo_step_s``) unless the run sets it."""
+    from spec.costmodel import StepShape
+
+    budget = config.max_num_batched_tokens
+    return max(cost.step_ns(StepShape(budget, 0, budget)) / 1e9, 1e-9)
+
+
+def with_targets(trace: Trace, classes: list[dict[str, Any]], predict: str = "none") -> Trace:
+    """The trace with SLO classes given to every request without targets of its own, and a
+    predicted output length.
+
+    ``classes``: ``[{"class": name, "ttft": s, "tpot": s, "share": fraction}, ...]`` (targets
+    in seconds; ``share`` defaults to what the earlier classes leave).  A request goes to the
+    class its id hashes into (``crc32(id) mod 10^6 / 10^6`` against the cumulative shares:
+    deterministic, independent of order), and gets the class's index as its ``priority``
+    (0 = the first class, the most important) when it has none, so that ``priority``
+    profiles serve the classes in the order given.  ``predict="oracle"``: the predicted
+    output length is the request's ``max_tokens`` (an imported trace's real output length, a
+    perfect predictor); ``"none"``: none (sprpt then ranks by max_tokens, the same here)."""
+    import zlib
+
+    if predict not in ("none", "oracle"):
+        raise ValueError(f"predict must be none or oracle, got {predict!r}")
+    bounds, total, names = [], 0.0, []
+    for i, c in enumerate(classes):
+        name = c.get("class") or ("default" if len(classes) == 1 else f"class{i}")
+        total = min(1.0, total + c["share"]) if "share" in c else 1.0
+        bounds.append(total)
+        names.append(name)
+    if bounds:
+        bounds[-1] = 1.0
+    reqs = []
+    for r in trace.requests:
+        if classes and r.ttft_slo is None and r.tpot_slo is None and r.slo_class is None:
+            u = zlib.crc32(r.id.encode()) % 1_000_000 / 1_000_000
+            i = next(k for k, b in enumerate(bounds) if u < b or k == len(bounds) - 1)
+            r = dataclasses.replace(r, slo_class=names[i], ttft_slo=classes[i].get("ttft"), tpot_slo=classes[i].get("tpot"),
+                                    priority=r.priority or i)
+        if predict == "oracle" and r.predicted_output_len is None:
+            r = dataclasses.replace(r, predicted_output_len=r.max_tokens)
+        reqs.append(r)
+    table = dict(trace.slo_classes or {})
+    for name, c in zip(names, classes):
+        table.setdefault(name, {k: c[k] for k in ("ttft", "tpot") if k in c})
+    return dataclasses.replace(trace, requests=reqs, slo_classes=table or None)
 
 
 def load_cost_model(name_or_path: str) -> CostModel:

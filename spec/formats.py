@@ -95,8 +95,8 @@ class TraceRequest:
     stop_token_ids: tuple[int, ...] = ()
     abort_at: int | None = None  # step at which the client aborts it
     output_tokens: tuple[int, ...] = ()  # tokens the synthetic model emits first
-    # service-level targets (issue 19): steps in a step trace (arrival_step), seconds in a
-    # timed trace (arrival_time); a class named in the header's ``slo_classes`` fills the
+    # service-level targets (issue 19): steps in a step trace (arrival_step only), seconds in a
+    # timed trace (arrival_time, with or without arrival_step); a class named in the header's ``slo_classes`` fills the
     # targets the request does not give itself (spec.io resolves it when loading).
     slo_class: str | None = None
     ttft_slo: float | None = None  # first token within this many steps (seconds) of arrival

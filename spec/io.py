@@ -432,8 +432,9 @@ def load_trace(path: str | os.PathLike) -> Trace:
 
 def _slo_checked(req: TraceRequest, classes: dict, path: str, line: int) -> TraceRequest:
     """Issue 19: fill the targets a request leaves out from its ``slo_class``, and check the
-    units: a step trace (``arrival_step``) counts targets in whole steps, at most the limit
-    ``steps``; a timed trace in seconds, at most the limit ``arrival_time``."""
+    units: a step trace (``arrival_step`` only) counts targets in whole steps, at most the limit
+    ``steps``; a timed trace (``arrival_time``, with or without steps) in seconds, at most the
+    limit ``arrival_time``."""
     given = req
     if req.slo_class is not None:
         if req.slo_class not in classes:
@@ -442,7 +443,7 @@ def _slo_checked(req: TraceRequest, classes: dict, path: str, line: int) -> Trac
         targets = classes[req.slo_class]
         req = dataclasses.replace(req, ttft_slo=req.ttft_slo if req.ttft_slo is not None else targets.get("ttft"),
                                   tpot_slo=req.tpot_slo if req.tpot_slo is not None else targets.get("tpot"))
-    steps = req.arrival_step is not None
+    steps = req.arrival_time is None  # a trace with arrival times counts seconds, even with arrival steps too
     for name in ("ttft_slo", "tpot_slo"):
         value = getattr(req, name)
         if value is None:

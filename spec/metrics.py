@@ -27,6 +27,14 @@ Over the run, ``duration`` is the first arrival to the end of the last step:
 * goodput = completed requests that meet *every* given SLO (``ttft``,
   ``tpot``, ``e2e``, seconds) / duration (DistServe's definition, as vLLM's
   benchmark computes it: a request with one output has TPOT 0);
+* per-request targets (issue 19: a trace's ``ttft_slo`` / ``tpot_slo``, by class or per
+  request, seconds): a request *attains* its targets when it completed with TTFT ≤ its
+  TTFT target and TPOT ≤ its TPOT target (a missing target always holds); rejected,
+  aborted and unfinished requests attain nothing.  Per class (``slo_class``, or
+  ``(per request)``): requests, TTFT attainment, TPOT attainment (among completed ones
+  with 2+ outputs) and attainment of both, each a share of the class's requests;
+  over all requests with a target: ``slo_attainment`` and ``slo_goodput`` = requests
+  attaining both / duration, next to request throughput;
 * preemptions: total, and requests preempted at least once;
 * queue growth and sustained rate (:func:`queue_growth`): whether the engine
   keeps up with the arrivals, and how many requests per second it serves when not;
@@ -107,6 +115,17 @@ class TenantMetrics:
 
 
 @dataclass(frozen=True)
+class SloClassMetrics:
+    """SLO attainment of one class of requests (shares of ``requests``; NaN when empty)."""
+
+    requests: int
+    ttft_attained: float
+    tpot_attained: float
+    attained: float  # both targets
+    goodput: float  # requests of the class attaining both, per second
+
+
+@dataclass(frozen=True)
 class Metrics:
     """The metrics table of one simulation (see the module docstring for each definition)."""
 
@@ -138,6 +157,9 @@ class Metrics:
     offered_rate: float = 0.0  # arrivals per second of the trace as simulated
     queue_growth: float = math.nan  # see queue_growth(): share of the window's arrivals left in the system
     sustained_rate: float = math.nan  # see queue_growth(): requests per second leaving the system meanwhile
+    slo_classes: dict[str, SloClassMetrics] = field(default_factory=dict)  # per-request targets, by class
+    slo_attainment: float | None = None  # share of requests with targets that attained both (None: no targets)
+    slo_goodput: float | None = None  # requests attaining their own targets per second (None: no targets)
 
     @property
     def unbounded_queue(self) -> bool:
@@ -210,6 +232,7 @@ def summarize(result: SimResult, slos: dict[str, float] | None = None) -> Metric
         kv_mean = (sum(u * w for u, w in zip(used, weights)) / busy if busy else 0.0) / result.usable_blocks
         kv_peak = max(used) / result.usable_blocks
     tenants = _tenants(result, ttft)
+    classes, attainment, slo_goodput = _slo_attainment(times, ttft, tpot, duration)
     growth, sustained = queue_growth(result)
     arrivals = [t.arrival_ns for t in times]
     span = (max(arrivals) - min(arrivals)) * s if arrivals else 0.0
@@ -242,7 +265,38 @@ def summarize(result: SimResult, slos: dict[str, float] | None = None) -> Metric
         offered_rate=(len(arrivals) - 1) / span if span > 0 else 0.0,
         queue_growth=growth,
         sustained_rate=sustained,
+        slo_classes=classes,
+        slo_attainment=attainment,
+        slo_goodput=slo_goodput,
     )
+
+
+#: The class of a request whose targets are its own (no ``slo_class``).
+PER_REQUEST = "(per request)"
+
+
+def _slo_attainment(times: list, ttft: dict[str, float], tpot: dict[str, float], duration: float
+                    ) -> tuple[dict[str, SloClassMetrics], float | None, float | None]:
+    """Per class: which requests attained their TTFT / TPOT targets (definitions in the module docstring)."""
+    by_class: dict[str, list[tuple[bool, bool]]] = {}
+    for t in times:
+        if t.ttft_target_s is None and t.tpot_target_s is None:
+            continue
+        done = t.id in ttft
+        ok_ttft = done and (t.ttft_target_s is None or ttft[t.id] <= t.ttft_target_s)
+        ok_tpot = done and (t.tpot_target_s is None or tpot.get(t.id, 0.0) <= t.tpot_target_s)
+        by_class.setdefault(t.slo_class or PER_REQUEST, []).append((ok_ttft, ok_tpot))
+    if not by_class:
+        return {}, None, None
+    out = {}
+    for name in sorted(by_class):
+        rows = by_class[name]
+        n = len(rows)
+        both = sum(1 for a, b in rows if a and b)
+        out[name] = SloClassMetrics(n, sum(a for a, _ in rows) / n, sum(b for _, b in rows) / n, both / n, both / duration)
+    total = sum(m.requests for m in out.values())
+    good = sum(round(m.attained * m.requests) for m in out.values())
+    return out, good / total, good / duration
 
 
 def _tenants(result: SimResult, ttft: dict[str, float]) -> dict[str, TenantMetrics]:

@@ -766,7 +766,7 @@ class SpecEngine:
 
     def _slo_fields(self, tr: TraceRequest) -> dict:
         """A request's targets in steps (SLO.TARGET_STEPS) and its predicted output length."""
-        timed, step_s = tr.arrival_step is None, self.config.slo_step_s
+        timed, step_s = tr.arrival_time is not None, self.config.slo_step_s
         return {"ttft_deadline": ttft_deadline(self.clock, target_steps(tr.ttft_slo, timed, step_s)),
                 "tpot_steps": target_steps(tr.tpot_slo, timed, step_s), "predicted_output": tr.predicted_output_len}
 

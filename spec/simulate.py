@@ -60,6 +60,11 @@ class RequestTimes:
     outputs: int = 0  # tokens sampled
     preemptions: int = 0
     outcome: str | None = None  # a finish reason, "aborted", or "rejected: <why>"
+    # service-level targets in seconds (issue 19): a timed trace's as given, a step trace's
+    # steps read as seconds (its arrival step k arrives at k s); None: no target
+    slo_class: str | None = None
+    ttft_target_s: float | None = None
+    tpot_target_s: float | None = None
 
     @property
     def completed(self) -> bool:
@@ -188,7 +193,10 @@ def simulate(
     for r in trace.requests:
         if r.abort_at is not None:
             aborts[r.abort_at].append(r.id)
-    times = {r.id: RequestTimes(r.id, r.tenant, r.prompt_len, a) for r, a in zip(pending, arrivals)}
+    times = {r.id: RequestTimes(r.id, r.tenant, r.prompt_len, a, slo_class=r.slo_class,
+                                ttft_target_s=None if r.ttft_slo is None else float(r.ttft_slo),
+                                tpot_target_s=None if r.tpot_slo is None else float(r.tpot_slo))
+             for r, a in zip(pending, arrivals)}
     tenant_of = {r.id: r.tenant for r in pending}
     result = SimResult(times, cost, usable_blocks)
     tracker = BatchTracker(pending)

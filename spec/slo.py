@@ -3,8 +3,10 @@
 A request may carry a TTFT target (its first token within ``ttft_slo`` of arriving), a
 TPOT target (at most ``tpot_slo`` between two of its output tokens) and a predicted output
 length (``predicted_output_len``; ``max_tokens`` stays the hard cap).  The scheduler counts
-**steps**: a step trace's targets are steps already, a timed trace's seconds are turned into
-steps by the knob ``slo_step_s`` (rule SLO.TARGET_STEPS).  The simulator judges attainment in
+**steps**: a step trace's targets (``arrival_step`` only) are steps already, a timed trace's
+(``arrival_time``, even with ``arrival_step`` as imported traces have) are seconds, turned into
+steps by the knob ``slo_step_s`` (rule SLO.TARGET_STEPS; ``batchspec sweep`` and ``simulate``
+set it to the cost model's time for a step of the whole token budget).  The simulator judges attainment in
 seconds (:mod:`spec.metrics`).
 
 Step arithmetic, with ``a`` the step a request arrived in (the engine's clock then):
