@@ -100,6 +100,12 @@ FIXED_BY_SGLANG = {
     "null_block": "SGLang's KV slot 0 is its padding slot",
 }
 
+#: What SGLang itself does for knobs the ``sglang`` profile may still claim otherwise: a trace
+#: asking for this value is run as faithfully as one asking for the profile's (docs/conformance.md).
+SGLANG_BEHAVIOUR = {
+    "cache_register": "computed",  # tokens enter the radix tree after the step that computed them
+}
+
 #: GPU-only modules replaced by inert stubs when they are not importable here.
 GPU_ONLY_MODULES = ("sgl_kernel", "flashinfer", "tvm_ffi", "torchvision")
 
@@ -231,7 +237,7 @@ def check_supported(cfg: SchedulerConfig) -> None:
     for f in fields(cfg):
         if f.name == "profile" or f.name in MAPPED_KNOBS:
             continue
-        if getattr(cfg, f.name) != getattr(base, f.name):
+        if getattr(cfg, f.name) != getattr(base, f.name) and SGLANG_BEHAVIOUR.get(f.name) != getattr(cfg, f.name):
             why = FIXED_BY_SGLANG.get(f.name, "the adapter does not map this knob to SGLang")
             raise EngineConfigError(f"{f.name}={getattr(cfg, f.name)!r} cannot be run on SGLang {SGLANG_VERSION} "
                                     f"(only {getattr(base, f.name)!r}): {why}")
@@ -334,6 +340,7 @@ class SglangEngine:
         self._retracted: list[str] = []
         self._evicted: list[int] = []
         self._ever_retracted: set[str] = set()
+        self._client_aborted: set[str] = set()
         self._admitted: set[str] = set()
         self._build()
 
@@ -455,8 +462,8 @@ class SglangEngine:
     def _observe(self) -> None:
         """Record retraction order and evicted slots as SGLang makes them (instance attributes only)."""
         sched, tree, allocator = self.scheduler, self.tree_cache, self.allocator
-        add_to_queue, evict, free = sched._add_request_to_queue, tree.evict, allocator.free
-        in_evict = [False]
+        add_to_queue, free = sched._add_request_to_queue, allocator.free
+        evicting = [0]  # depth: evict_for_alloc may call evict
 
         def on_add_to_queue(req, is_retracted: bool = False):
             if is_retracted:
@@ -464,20 +471,24 @@ class SglangEngine:
                 self._ever_retracted.add(_trace_rid(req))
             return add_to_queue(req, is_retracted=is_retracted)
 
-        def on_evict(*args, **kwargs):
-            in_evict[0] = True
-            try:
-                return evict(*args, **kwargs)
-            finally:
-                in_evict[0] = False
+        def observed(method):
+            def run(*args, **kwargs):
+                evicting[0] += 1
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    evicting[0] -= 1
+            return run
 
         def on_free(indices):
-            if in_evict[0]:
+            if evicting[0]:
                 self._evicted.extend(int(i) for i in indices.tolist())
             return free(indices)
 
         sched._add_request_to_queue = on_add_to_queue
-        tree.evict = on_evict
+        for name in ("evict", "evict_for_alloc"):  # the allocator's evict_to_free_tokens calls the latter
+            if hasattr(tree, name):
+                setattr(tree, name, observed(getattr(tree, name)))
         allocator.free = on_free
 
     # -- protocol --------------------------------------------------------
@@ -525,6 +536,7 @@ class SglangEngine:
 
         self.scheduler.abort_request(AbortReq(rid=_sglang_rid(request_id)))
         self._aborted.append(request_id)
+        self._client_aborted.add(request_id)  # a running one still decodes once; its finish is this abort
 
     def has_unfinished_requests(self) -> bool:
         sched = self.scheduler
@@ -575,7 +587,7 @@ class SglangEngine:
         for req, token in zip(batch.reqs, tokens):
             if len(req.output_ids) > outputs_before[_trace_rid(req)]:
                 record.sampled[_trace_rid(req)] = token
-            if req.finished() and _trace_rid(req) not in finished_before:
+            if req.finished() and _trace_rid(req) not in finished_before | self._client_aborted:
                 record.finished.append((_trace_rid(req), self._finish_reason(req)))
         if record.cache_hits is None:
             record.cache_hits = {}
@@ -619,9 +631,13 @@ class SglangEngine:
 
 def capabilities() -> dict[str, Any]:
     """The knob values the adapter runs SGLang with (fuzz/capabilities.py): the ``sglang`` profile,
-    chunked prefill and the radix cache on or off, pool and budget sizes drawn."""
+    chunked prefill and the radix cache on or off, the prefill budget (``max_prefill_tokens`` and
+    ``chunked_prefill_size``) and ``max_running_requests`` drawn from small to SGLang's defaults;
+    pool sizes drawn by the generator."""
     return {"profile": "sglang", "knobs": {"enable_chunked_prefill": [False, True],
-                                           "enable_prefix_caching": [True, False]}}
+                                           "enable_prefix_caching": [True, False],
+                                           "max_num_batched_tokens": {"min": 8, "max": 16384},
+                                           "max_num_seqs": {"min": 1, "max": 1024}}}
 
 
 def factory(trace: Trace) -> SglangEngine:
