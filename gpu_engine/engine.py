@@ -185,7 +185,10 @@ class GpuEngine:
         names = self._names(batch.slots)
         smp = xp.to_list(batch.slots[batch.samples])
         flight = [(s.ids[i], int(s.num_output_tokens[i] + s.placeholders[i] - 1), int(s.preemptions[i])) for i in smp]
-        tokens = [s.sources[i].output_token(k, self.vocab_size) for i, (_, k, _) in zip(smp, flight)]
+        if self.output_tokens is not None:  # written ahead into the token table at add_request
+            tokens = [int(s.token_ids[i, int(s.prompt_len[i]) + k]) for i, (_, k, _) in zip(smp, flight)]
+        else:
+            tokens = [s.sources[i].output_token(k, self.vocab_size) for i, (_, k, _) in zip(smp, flight)]
         (prev, prev_tokens), self._flight = self._flight, (flight, tokens)
         finished, applied = s.apply_async(prev, prev_tokens, self.eos_token_id)
         self.num_steps += 1
