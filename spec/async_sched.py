@@ -14,6 +14,10 @@ then apply the outputs of step N, the batch in flight (rule
 ASYNC.OUTPUTS_NEXT_STEP); its record carries step N+1's batch and step N's
 ``sampled`` and ``finished``, and says so in ``outputs_step``.
 
+A run ends, as with synchronous scheduling, when no request is unfinished: a batch
+still in flight then holds only outputs that would be dropped (vLLM's engine core
+applies it in one more call that decides nothing; that call has no record here).
+
 Checked against vLLM 0.32's ``AsyncScheduler`` driven as its engine core drives
 it (fuzz/vllm_adapter.py, ``--profile vllm-v1-async``).
 """
