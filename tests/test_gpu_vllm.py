@@ -19,8 +19,9 @@ pytestmark = pytest.mark.vllm
 N_TRACES = int(os.environ.get("BATCHSPEC_GPU_VLLM_TRACES", "300"))
 
 
-@pytest.mark.parametrize("stress", [False, True])
-def test_gpu_engine_equals_vllm_exact(stress):
+@pytest.mark.parametrize("stress,asynchronous", [(False, False), (True, False), (False, True)],
+                         ids=["plain", "stress", "async"])
+def test_gpu_engine_equals_vllm_exact(stress, asynchronous):
     from fuzz.diff import first_divergence
     from fuzz.generate import random_trace
     from fuzz.replay import EngineUnavailable
@@ -42,7 +43,8 @@ def test_gpu_engine_equals_vllm_exact(stress):
             return e.records
 
     for seed in range(N_TRACES):
-        trace = random_trace(seed + (50_000 if stress else 0), stress=stress)
+        options = {"async_scheduling": True} if asynchronous else {}  # vLLM's AsyncScheduler, batch queue of 2
+        trace = random_trace(seed + (50_000 if stress else 0), stress=stress, **options)
         d = first_divergence(replay(VllmEngine(trace), trace), replay(GpuEngine.from_trace(trace), trace), "exact",
                              engine="gpu_engine")
-        assert d is None, f"seed {seed} stress={stress}: {d.describe()}"
+        assert d is None, f"seed {seed} stress={stress} async={asynchronous}: {d.describe()}"
