@@ -15,11 +15,13 @@ these machines are shared, so CPU time is the steadier figure):
 2. **whole sample**: all 19,366 requests, ``after, fast``, cold then warm
    prompt cache; requests and request-steps simulated per second.
 3. **sweep**: ``fuzz.sweep.sweep`` of ``vllm-v1`` over 10 rates with
-   ``--jobs`` workers (what ``batchspec sweep`` runs).
+   ``--jobs`` workers (what ``batchspec sweep`` runs), on gpu_engine's decisions
+   (``--engine gpu``, with its sampled check against the spec) and, with
+   ``--spec-sweep``, on the spec's (minutes); the capacity figures of both.
 
 Usage::
 
-    python benchmarks/bench_simulator.py [--requests 2000] [--repeats 2] [--jobs 2] [--skip-sweep]
+    python benchmarks/bench_simulator.py [--requests 2000] [--repeats 2] [--jobs 2] [--skip-sweep] [--spec-sweep]
 """
 from __future__ import annotations
 
@@ -122,7 +124,8 @@ def whole_sample() -> None:
               f"{r['requests'] / r['cpu']:,.0f} requests/s, {r['request_steps'] / r['cpu']:,.0f} request-steps/s")
 
 
-def sweep_timing(jobs: int) -> None:
+def sweep_timing(jobs: int, engine: str = "spec", check: str = "sampled", out=print) -> dict:
+    """Time a 10-rate sweep of the whole sample; return its figures (wall, cpu, capacity, metrics)."""
     from fuzz.importers import import_trace
     from fuzz.sweep import capacity, parse_profile_spec, sweep
     from spec.costmodel import preset
@@ -130,15 +133,22 @@ def sweep_timing(jobs: int) -> None:
     trace, _ = import_trace(str(TRACE))
     t0 = time.perf_counter()
     points = sweep(trace, [parse_profile_spec("vllm-v1")], RATES, preset(COST), jobs=jobs, stop_after_unbounded=None,
-                   slos={"ttft": 2.0})
+                   slos={"ttft": 2.0}, engine=engine, check_engine=check)
     wall = time.perf_counter() - t0
+    bad = [p for p in points if p.metrics is None]
+    if bad:
+        raise RuntimeError(f"sweep point {bad[0].rate}/s failed: {bad[0].error}")
     cpu = sum(p.cpu_s for p in points)
     cap = capacity(points, 2.0)["vllm-v1"]
-    print(f"\n## sweep: vllm-v1 over {len(RATES)} rates ({', '.join(map(str, RATES))} requests/s), {jobs} workers")
-    print(f"{wall:,.0f} s wall, {cpu:,.0f} s of simulation CPU; p99 TTFT crosses 2 s at {cap.slo_rate:.3g}/s, "
-          f"queue unbounded from {cap.unbounded_rate}/s")
+    checked = sum(p.checked_steps for p in points)
+    what = f"--engine {engine}" + (f" --check-engine {check} ({checked:,} steps compared with the spec)" if engine == "gpu" else "")
+    out(f"\n## sweep: vllm-v1 over {len(RATES)} rates ({', '.join(map(str, RATES))} requests/s), {jobs} workers, {what}")
+    out(f"{wall:,.0f} s wall, {cpu:,.0f} s of simulation CPU (load average {os.getloadavg()[0]:.1f}); "
+        f"p99 TTFT crosses 2 s at {cap.slo_rate:.3g}/s, queue unbounded from {cap.unbounded_rate}/s")
     for p in points:
-        print(f"  {p.rate:>6g}/s  {p.cpu_s:7.1f} s CPU  {p.metrics.steps:>9,} steps  p99 TTFT {p.metrics.ttft.p99:8.3f} s")
+        out(f"  {p.rate:>6g}/s  {p.cpu_s:7.1f} s CPU  {p.metrics.steps:>9,} steps  p99 TTFT {p.metrics.ttft.p99:8.3f} s")
+    return {"wall": wall, "cpu": cpu, "slo_rate": cap.slo_rate, "unbounded": cap.unbounded_rate,
+            "metrics": [p.metrics for p in points], "checked": checked}
 
 
 def main() -> None:
@@ -151,6 +161,7 @@ def main() -> None:
     ap.add_argument("--skip-side-by-side", action="store_true")
     ap.add_argument("--skip-whole", action="store_true")
     ap.add_argument("--skip-sweep", action="store_true")
+    ap.add_argument("--spec-sweep", action="store_true", help="also sweep on the spec's decisions (minutes) and compare")
     args = ap.parse_args()
     print(f"python {platform.python_version()}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.1f}")
@@ -159,7 +170,12 @@ def main() -> None:
     if not args.skip_whole:
         whole_sample()
     if not args.skip_sweep:
-        sweep_timing(args.jobs)
+        gpu = sweep_timing(args.jobs, "gpu")
+        if args.spec_sweep:
+            spec = sweep_timing(args.jobs, "spec")
+            same = "identical" if spec["metrics"] == gpu["metrics"] else "DIFFERENT"
+            print(f"\n--engine gpu vs spec: {spec['wall'] / gpu['wall']:.1f}x less wall, {spec['cpu'] / gpu['cpu']:.1f}x less CPU; "
+                  f"metrics at every rate: {same}")
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ class Batch:
 class Scheduler:
     """vLLM V1's scheduler and KV-cache manager over tensors (see module docstring)."""
 
-    def __init__(self, config: SchedulerConfig, device="cpu", capacity: int = 8, use_numpy: bool | None = None,
+    def __init__(self, config: SchedulerConfig, device="cpu", capacity: int = 16, use_numpy: bool | None = None,
                  host_tables: bool = False):
         c = self.config = config
         self.be = Backend(device, use_numpy)
@@ -93,7 +93,7 @@ class Scheduler:
         self.watermark_blocks = c.watermark_blocks
         self.capacity, self.token_width, self.block_width, self.stop_width = 0, 0, 0, 0
         self.t: dict[str, object] = {}
-        self._grow(capacity, 16, 4, 1)
+        self._grow(capacity, 128, 8, 1)  # (room for a small trace: fewer reallocations while it arrives)
         self.running = self.be.empty_int()
         self.num_waiting = 0
         self.free_slots: list[int] = list(range(capacity - 1, -1, -1))

@@ -35,7 +35,7 @@ MAX_STEPS = 3000
 
 #: Profiles whose knobs gpu_engine does not implement yet: nano-vllm's (free_block_order, cache_register,
 #: cache_duplicates, kv_reservation=sequence, max_num_seqs_scope, prefill_chunking; issue #16, item 5).
-NOT_YET_IN_GPU_ENGINE = ("nano-vllm",)
+NOT_YET_IN_GPU_ENGINE = ("nano-vllm", "edf", "edf-ac", "sprpt")  # (the SLO policies: issue 19)
 
 #: Rules each profile's traces must exercise (fired in the spec, counted by spec.rules.HITS).
 MUST_FIRE = {
