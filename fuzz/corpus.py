@@ -287,6 +287,8 @@ def group_signature(result: ReplayResult) -> Signature:
             request = next(iter(sorted(set((spec or StepRecord(0)).sampled) ^ set((eng or StepRecord(0)).sampled))), None)
         else:
             request = _involved(name, a, b)
+        if name == "finished":  # the stop rule of whichever side finished it: the same bug either way round
+            return (div.kind, name, _cause_rule(spec, request, name) or _stop_rule(eng, request) or "-")
         if name in _CAUSE_FAMILIES:  # only a rule that decides this field names it (else "-", not an unrelated one)
             return (div.kind, name, _cause_rule(spec, request, name) or "-")
         return (div.kind, name, spec_reason(spec, request, name)[0] or "-")
@@ -303,6 +305,18 @@ _MEMORY_FIELDS = ("num_free_blocks", "blocks", "cache_hits", "num_evicted", "num
 #: Rule families that decide each cause field, best first (retraction is SGLang's preemption).
 _CAUSE_FAMILIES = {"preempted": ("PREEMPT.", "RETRACT.", "SWAP.", "RUN.PREEMPT"), "swapped_out": ("SWAP.", "PREEMPT."),
                    "swapped_in": ("SWAP.",), "rejected": ("REJECT.",), "aborted": ("ABORT.",), "finished": ("STOP.",)}
+
+
+#: The spec's stop rule for each finish reason a log can give.
+_STOP_RULES = {"eos": "STOP.EOS", "stop_token": "STOP.STOP_TOKEN", "max_tokens": "STOP.LENGTH", "max_model_len": "STOP.LENGTH"}
+
+
+def _stop_rule(record, request: str | None) -> str | None:
+    """The stop rule matching the reason ``record`` gives for finishing ``request`` (an engine's log)."""
+    for rid, why in (record.finished if record else ()):
+        if rid == request:
+            return _STOP_RULES.get(why)
+    return None
 
 
 def _cause_rule(record, request: str | None, field_name: str) -> str | None:

@@ -146,6 +146,9 @@ def test_the_group_signature_names_the_cause_first_field():
     ids = ReplayResult(trace, "e", "exact", [StepRecord(5, block_ids={"A": [2]})], [StepRecord(5, block_ids={"A": [1]})],
                        Divergence(5, "block_ids", {"A": [1]}, {"A": [2]}, "A", "RUN.PREFILL_CHUNK"))
     assert C.group_signature(ids) == ("decision", "block_ids", "-"), "the request's role is incidental to a block bug"
+    early = ReplayResult(trace, "e", "decisions", [StepRecord(5, finished=[("A", "max_tokens")])], [StepRecord(5)],
+                         Divergence(5, "finished", [], [["A", "max_tokens"]], "A"))
+    assert C.group_signature(early) == ("decision", "finished", "STOP.LENGTH"), "the engine's stop reason, mapped"
 
 
 def test_a_campaign_merges_manifestations_of_one_bug_into_one_group(tmp_path, monkeypatch):
