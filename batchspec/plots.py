@@ -255,3 +255,50 @@ def capacity_plot(points: list["SweepPoint"], capacities: dict[str, "Capacity"],
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
     ax.set_title(title or "TTFT against arrival rate", fontsize=10)
     return _save(fig, path)
+
+
+def slo_plot(points: list["SweepPoint"], path: str | Path, title: str | None = None) -> str:
+    """Issue 19: what each policy trades, against arrival rate, one color per profile.
+
+    Left: SLO goodput (requests per second meeting both their TTFT and TPOT targets, solid)
+    next to request throughput (dotted).  Right: SLO attainment per class (one line style per
+    class; the share of the class's requests meeting both targets).  Hollow markers: the
+    queue grew without bound at that rate.
+    """
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5))
+    done = [p for p in points if p.metrics is not None and p.metrics.slo_attainment is not None]
+    profiles = list(dict.fromkeys(p.profile for p in done))
+    classes = sorted({c for p in done for c in p.metrics.slo_classes})
+    styles = ("-", "--", "-.", ":")
+    markers = ("o", "s", "^", "D", "v", "P")
+    for k, profile in enumerate(profiles):
+        color, marker = PALETTE[k % len(PALETTE)], markers[k % len(markers)]
+        pts = sorted((p for p in done if p.profile == profile), key=lambda p: p.rate)
+        xs = [p.rate for p in pts]
+        left.plot(xs, [p.metrics.slo_goodput for p in pts], color=color, lw=1.8, label=profile)
+        left.plot(xs, [p.metrics.request_throughput for p in pts], color=color, lw=0.9, ls=":")
+        for p in pts:
+            left.plot(p.rate, p.metrics.slo_goodput, marker=marker, color=color, ls="",
+                      mfc="white" if p.metrics.unbounded_queue else color, mew=1.5)
+        for j, name in enumerate(classes):
+            ys = [p.metrics.slo_classes[name].attained * 100 if name in p.metrics.slo_classes else float("nan") for p in pts]
+            right.plot(xs, ys, color=color, ls=styles[j % len(styles)], lw=1.5, marker=marker, ms=4)
+    from matplotlib.lines import Line2D
+
+    left.set_xscale("log")
+    left.set_xlabel("arrival rate (requests/s)")
+    left.set_ylabel("requests/s")
+    left.set_title("SLO goodput (solid) and throughput (dotted)", fontsize=9)
+    left.grid(alpha=0.25, which="both")
+    left.legend(fontsize=8, frameon=False, loc="upper left")
+    right.set_xscale("log")
+    right.set_xlabel("arrival rate (requests/s)")
+    right.set_ylabel("requests meeting both targets (%)")
+    right.set_ylim(0, 102)
+    right.set_title("SLO attainment per class", fontsize=9)
+    right.grid(alpha=0.25, which="both")
+    right.legend(handles=[Line2D([], [], color="gray", ls=styles[j % len(styles)], label=name) for j, name in enumerate(classes)],
+                 fontsize=8, frameon=False, loc="lower left")
+    fig.suptitle(title or "goodput and SLO attainment against arrival rate", fontsize=10)
+    return _save(fig, path)

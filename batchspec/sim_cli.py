@@ -327,6 +327,11 @@ def _metric_rows(m) -> list[tuple[str, str]]:
         ("queue growth (share of arrivals)", "- (too few arrivals)" if math.isnan(m.queue_growth)
          else f"{m.queue_growth:+.1%}" + (" [red]unbounded[/]" if m.unbounded_queue else "")),
     ]
+    if m.slo_attainment is not None:  # issue 19: per-request targets
+        rows.append(("SLO attained (both targets) / SLO goodput (req/s)", f"{m.slo_attainment:.1%} / {m.slo_goodput:,.3f}"))
+        for name, c in m.slo_classes.items():
+            rows.append((f"  class {name}: requests, TTFT / TPOT / both attained",
+                         f"{c.requests:,}, {c.ttft_attained:.0%} / {c.tpot_attained:.0%} / {c.attained:.0%}"))
     if len(m.tenants) > 1:
         rows.append(("Jain fairness (tenant service)", f"{m.jain_fairness:.3f}"))
         for name, t in m.tenants.items():
@@ -486,7 +491,8 @@ def cmd_sweep(args) -> int:
 
     from fuzz.sweep import capacity, default_rates, parse_profile_spec, split_profiles, sweep
 
-    _check_outputs(args, {"--json": args.json, **{f"--plot {p}": p for p in args.plot or []}}, {"TRACE": args.trace})
+    _check_outputs(args, {"--json": args.json, **{f"--plot {p}": p for p in args.plot or []},
+                          **{f"--slo-plot {p}": p for p in args.slo_plot or []}}, {"TRACE": args.trace})
     trace, fmt = _load(args, rate_default=1.0)
     cost, overrides, slos = _cost(args), args.overrides, dict(args.slo)
     slos.setdefault("ttft", args.slo_ttft)
@@ -563,7 +569,31 @@ def cmd_sweep(args) -> int:
         for path in args.plot:
             console.print("capacity plot: " + plots.capacity_plot(points, caps, args.slo_ttft, path,
                           title=f"{Path(args.trace).name} — p50/p95/p99 TTFT vs arrival rate — cost model {cost.name}"))
+    if targeted:
+        _slo_report(args, points, cost)
     return 0
+
+
+def _slo_report(args, points, cost) -> None:
+    """Issue 19: SLO attainment per class at every rate, and the --slo-plot."""
+    classes = sorted({c for p in points if p.metrics is not None for c in p.metrics.slo_classes})
+    table = Table(title="SLO attainment per class (requests meeting both targets) and SLO goodput")
+    for col in ("profile", "rate/s", *classes, "all", "SLO goodput/s", "req/s"):
+        table.add_column(col, justify="left" if col == "profile" else "right")
+    for p in points:
+        m = p.metrics
+        if m is None or m.slo_attainment is None:
+            continue
+        table.add_row(p.profile, f"{p.rate:g}", *(f"{m.slo_classes[c].attained:.0%}" if c in m.slo_classes else "-"
+                                                  for c in classes),
+                      f"{m.slo_attainment:.0%}", f"{m.slo_goodput:.3g}", f"{m.request_throughput:.3g}")
+    console.print(readable(table, compact=True, width=console.width))
+    if args.slo_plot:
+        from batchspec import plots
+
+        for path in args.slo_plot:
+            console.print("SLO plot: " + plots.slo_plot(points, path, title=f"{Path(args.trace).name} — SLO goodput and "
+                                                                              f"attainment vs arrival rate — cost model {cost.name}"))
 
 
 @_guarded
@@ -637,6 +667,8 @@ def add_parsers(sub, command=None) -> None:
     sw.add_argument("--jobs", type=int_option(0, MAX_WORKERS), default=0, metavar="N", help="worker processes (default 0: all cores)")
     sw.add_argument("--all-rates", action="store_true", help="also run rates beyond a profile's first unbounded one")
     sw.add_argument("--plot", action="append", type=_plot_path, metavar="FILE", help="write the capacity plot (.png or .svg); repeatable")
+    sw.add_argument("--slo-plot", action="append", type=_plot_path, metavar="FILE",
+                    help="with --targets: write SLO goodput and per-class attainment against rate (.png or .svg); repeatable")
     sw.set_defaults(fn=cmd_sweep)
 
     ca = command("calibrate", "fit the step cost model to measured step times (JSON or CSV rows)")

@@ -81,3 +81,31 @@ def test_sweep_runs_set_the_step_the_slo_rules_model():
     assert cfg.slo_step_s == pytest.approx(cost.step_ns(StepShape(budget, 0, budget)) / 1e9)
     assert cfg.slo_step_s == modelled_step_s(cost, cfg)
     assert run_config(plain, parse_profile_spec("edf-ac"), cost).slo_step_s == 0.025  # untouched without targets
+
+
+def test_sweep_with_targets_prints_attainment_per_class_and_plots(tmp_path, capsys):
+    from batchspec import sim_cli
+    from batchspec.data import TRACES
+
+    plot, out = tmp_path / "slo.svg", tmp_path / "sweep.json"
+    code = sim_cli.main(["sweep", str(TRACES / "burstgpt_1_first400.csv"), "--first", "120", "--profiles", "vllm-v1,edf-ac",
+                         "--rates", "1,4", "--jobs", "1", "--all-rates", "--targets", "class=fast,ttft=0.2,share=0.5",
+                         "--targets", "class=slow,ttft=5,tpot=0.2", "--slo-plot", str(plot), "--json", str(out)])
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout
+    assert "SLO attainment per class" in stdout and "fast" in stdout and "slow" in stdout
+    assert plot.stat().st_size > 0
+    import json
+
+    points = json.loads(out.read_text())["points"]
+    assert {p["profile"] for p in points} == {"vllm-v1", "edf-ac"}
+    assert all(set(p["metrics"]["slo_classes"]) == {"fast", "slow"} for p in points)
+
+
+def test_bad_targets_exit_2(capsys):
+    from batchspec import sim_cli
+
+    for bad in ("ttft=0", "share=0.5", "ttft=1,e2e=3", "tpot=-1", "class=x"):
+        assert sim_cli.main(["sweep", "x.csv", "--targets", bad]) == 2, bad
+        err = capsys.readouterr().err
+        assert "argument --targets" in err and err.count("\n") == 1, err
