@@ -62,7 +62,7 @@ MAX_PROMPT = 80
 _KNOBS = {f.name for f in fields(SchedulerConfig)} - {"profile"}
 #: Generator switches accepted by :func:`random_trace` besides the knobs.
 SWITCHES = ("n_requests", "aborts", "stop_tokens", "eos", "prefix_groups", "rejections", "tight_memory", "clones", "stress",
-            "tenants")
+            "tenants", "slo")
 #: Extreme corners a ``stress`` trace takes one to three of.
 STRESS = ("vocab", "block", "budget", "many", "short", "watermark")
 
@@ -332,6 +332,8 @@ def random_trace(seed: int, **options: Any) -> Trace:
         _clone(rng, requests, vocab)
     if cfg["policy"] == "vtc" or options.get("tenants"):
         _draw_tenants(random.Random(f"tenants:{seed}"), cfg, requests, options)
+    if options.get("slo", _uses_slo(cfg)):
+        requests = _draw_slo(random.Random(f"slo:{seed}"), requests)
     if "num_blocks" not in options:
         peaks = [_peak_slots(r.prompt_len, r.max_tokens, cfg["max_model_len"]) for r in requests
                  if r.prompt_len < cfg["max_model_len"]] or [1]
@@ -344,6 +346,25 @@ def random_trace(seed: int, **options: Any) -> Trace:
         cfg = {k: v for k, v in cfg.items() if k == "profile" or k in SIZES or v != getattr(base, k)}
     return Trace(config=cfg, requests=requests, vocab_size=vocab, eos_token_id=eos,
                  name=f"random-{seed}", description=f"fuzz.generate.random_trace({seed})")
+
+
+def _uses_slo(cfg: dict[str, Any]) -> bool:
+    """Whether the drawn configuration schedules by SLO targets or predicted lengths (issue 19)."""
+    return cfg.get("policy") in ("edf", "sprpt") or cfg.get("preemption_victim", "policy") != "policy" \
+        or cfg.get("slo_admission", "off") != "off"
+
+
+def _draw_slo(rng: random.Random, requests: list[TraceRequest]) -> list[TraceRequest]:
+    """Targets (steps) and predicted output lengths on most requests, from their own generator
+    (so the rest of the trace keeps its draws): TTFT 1-12 steps, TPOT 1-3, a prediction that is
+    exact, off, or missing."""
+    out = []
+    for r in requests:
+        ttft = rng.choice((None, 1, 2, rng.randint(1, 12), rng.randint(3, 12)))
+        tpot = rng.choice((None, 1, 2, 3))
+        pred = rng.choice((None, r.max_tokens, rng.randint(0, r.max_tokens + 4)))
+        out.append(replace(r, ttft_slo=ttft, tpot_slo=tpot, predicted_output_len=pred))
+    return out
 
 
 def trace_features(trace: Trace, records: Iterable[StepRecord] | None = None) -> set[str]:

@@ -280,3 +280,37 @@ def test_order_row_catches_a_queue_that_ignores_deadlines(monkeypatch):
     monkeypatch.setattr(spec.queues, "edf_key", lambda req: (req.deferred, 0, req.arrival_seq, req.request_id))
     row = proofs.prove_edf_order("ci")
     assert row.result == "counterexample" and "QUEUE.EDF_ORDER" in row.counterexample
+
+
+# -- the fuzzer draws the new fields and profiles --------------------------------------------
+
+
+@pytest.mark.parametrize("profile", ["edf", "edf-ac", "sprpt"])
+def test_generated_traces_of_the_slo_profiles_keep_every_invariant(profile, tmp_path):
+    from fuzz.generate import random_trace
+    from invariants.log_checker import check_log
+    from spec.formats import DecisionLog
+    from spec.io import write_trace
+    from spec.scheduler import run
+
+    drawn = 0
+    for seed in range(60):
+        trace = random_trace(seed, profile=profile)
+        drawn += sum(r.ttft_slo is not None or r.predicted_output_len is not None for r in trace.requests)
+        path = tmp_path / f"{seed}.jsonl"
+        write_trace(trace, path)
+        trace = load_trace(path)  # the drawn fields are valid trace fields (steps: integers)
+        records = run(trace, check_invariants=True)
+        report = check_log(DecisionLog("spec", "exact", records), resolve(trace.config), trace)
+        assert report.ok, (seed, report.violations[:2])
+    assert drawn > 100
+
+
+def test_slo_fields_leave_other_traces_unchanged():
+    from fuzz.generate import random_trace
+
+    assert all(r.ttft_slo is None and r.predicted_output_len is None for r in random_trace(3).requests)
+    with_slo = random_trace(3, slo=True)
+    assert [(r.id, r.prompt_len, r.max_tokens) for r in with_slo.requests] == \
+        [(r.id, r.prompt_len, r.max_tokens) for r in random_trace(3).requests]
+    assert any(r.ttft_slo is not None for r in with_slo.requests)
