@@ -87,8 +87,18 @@ SGLANG_VERSION = "0.5.23"
 #: ``max_steps`` is applied by the driver.
 MAPPED_KNOBS = frozenset({
     "num_blocks", "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
-    "enable_chunked_prefill", "max_steps",
+    "enable_chunked_prefill", "max_steps", *("new_token_ratio_init", "new_token_ratio_min_factor",
+                                             "new_token_ratio_decay_steps", "retract_decode_steps"),
 })
+
+#: The environment variables SGLang reads the ratio's constants from (``sglang/srt/environ.py``; the
+#: tracker reads the first three when the scheduler is built, the last at each retraction).
+RATIO_ENV = {
+    "new_token_ratio_init": "SGLANG_INIT_NEW_TOKEN_RATIO",  # x schedule_conservativeness 1.0
+    "new_token_ratio_min_factor": "SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR",
+    "new_token_ratio_decay_steps": "SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS",
+    "retract_decode_steps": "SGLANG_RETRACT_DECODE_STEPS",
+}
 
 #: Why SGLang has only the ``sglang`` profile's value of some other knobs.
 FIXED_BY_SGLANG = {
@@ -360,6 +370,8 @@ class SglangEngine:
     def _build(self) -> None:
         s, cfg = self.sgl, self.config
         torch = s["torch"]
+        for knob, var in RATIO_ENV.items():  # set for this engine; the next one sets its own
+            os.environ[var] = repr(getattr(cfg, knob))
         self.server_args = s["get_context"]().override_server_args(**self._server_args()).install()
         schedule = s["get_schedule"]()
         self._check_config_kept(schedule)
@@ -632,12 +644,15 @@ class SglangEngine:
 def capabilities() -> dict[str, Any]:
     """The knob values the adapter runs SGLang with (fuzz/capabilities.py): the ``sglang`` profile,
     chunked prefill and the radix cache on or off, the prefill budget (``max_prefill_tokens`` and
-    ``chunked_prefill_size``) and ``max_running_requests`` drawn from small to SGLang's defaults;
-    pool sizes drawn by the generator."""
+    ``chunked_prefill_size``), ``max_running_requests`` and the ratio's decay and reset constants
+    drawn from small to SGLang's defaults; pool sizes drawn by the generator."""
     return {"profile": "sglang", "knobs": {"enable_chunked_prefill": [False, True],
                                            "enable_prefix_caching": [True, False],
                                            "max_num_batched_tokens": {"min": 8, "max": 16384},
-                                           "max_num_seqs": {"min": 1, "max": 1024}}}
+                                           "max_num_seqs": {"min": 1, "max": 1024},
+                                           # a fast decay reaches the ratio's floor, and so retraction, in short traces
+                                           "new_token_ratio_decay_steps": {"min": 1, "max": 600},
+                                           "retract_decode_steps": {"min": 1, "max": 20}}}
 
 
 def factory(trace: Trace) -> SglangEngine:

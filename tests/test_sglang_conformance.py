@@ -79,6 +79,27 @@ def test_new_token_ratio_decays_per_decode_step(sglang_ready):
 
 
 @pytest.mark.sglang
+def test_retraction_order_and_ratio_reset(sglang_ready):
+    """With the ratio at its floor after one decode step (decay over 1 step), B and C are admitted
+    on estimates far below their real growth; 60 slots then run out: SGLang retracts the request
+    with the fewest outputs first (C, then B) and resets the ratio to
+    min(1, (sum outputs + 20 x n) / (sum max_new_tokens + 1)) over the n requests left."""
+    recs = _run(_trace([
+        {"id": "A", "arrival_step": 0, "prompt_len": 4, "max_tokens": 40},
+        {"id": "B", "arrival_step": 3, "prompt_len": 4, "max_tokens": 40},
+        {"id": "C", "arrival_step": 4, "prompt_len": 4, "max_tokens": 30},
+    ], num_blocks=61, max_model_len=128, new_token_ratio_decay_steps=1))
+    retractions = [(r.step, r.preempted) for r in recs if r.preempted]
+    assert [victims for _, victims in retractions] == [["C"], ["B"]]
+    first = retractions[0][0]
+    outputs = {rid: sum(rid in r.sampled for r in recs if r.step < first) for rid in "AB"}
+    expected = min(1.0, (outputs["A"] + outputs["B"] + 20 * 2) / (40 + 40 + 1))
+    assert next(r for r in recs if r.step == first).new_token_ratio == pytest.approx(expected)
+    assert sorted(rid for r in recs for rid in r.resumed) == ["B", "C"]  # both come back and finish
+    assert sorted(rid for r in recs for rid, _ in r.finished) == ["A", "B", "C"]
+
+
+@pytest.mark.sglang
 def test_arrival_refuses_prompts_past_sglang_input_limit(sglang_ready):
     """SGLang refuses a prompt of max_req_input_len = min(max_model_len - 1, pool - 1) - 5 tokens
     or more at arrival; a shorter one runs."""
