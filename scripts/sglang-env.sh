@@ -7,12 +7,12 @@
 # until nothing was missing. The GPU-only modules it still names (sgl_kernel, flashinfer, tvm_ffi,
 # torchvision) are stubbed by the adapter, never installed. Nothing here is a CUDA build of torch.
 #
-# Usage: bash scripts/sglang-env.sh [VENV]        (default /work/venv-sglang, or $BATCHSPEC_SGLANG_VENV)
+# Usage: bash scripts/sglang-env.sh [VENV]        (default .venv-sglang, or $BATCHSPEC_SGLANG_VENV)
 #        then VENV/bin/batchspec conform --engine sglang --traces 200
 #        or   VENV/bin/python -m pytest -m sglang tests/test_sglang_conformance.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
-V=${1:-${BATCHSPEC_SGLANG_VENV:-/work/venv-sglang}}
+V=${1:-${BATCHSPEC_SGLANG_VENV:-.venv-sglang}}
 PIP=("$V/bin/pip" install -q --no-deps)
 
 python3 -m venv "$V"

@@ -3,7 +3,7 @@
 Marked ``sglang``: normal CI deselects it.  It needs SGLang in its own virtual
 environment (``scripts/sglang-env.sh``)::
 
-    /work/venv-sglang/bin/python -m pytest -m sglang tests/test_sglang_conformance.py
+    .venv-sglang/bin/python -m pytest -m sglang tests/test_sglang_conformance.py
 
 If it is selected and SGLang cannot be imported, it FAILS (never skips): a
 conformance claim that silently did not run is worse than none.  The one test
