@@ -479,7 +479,7 @@ class LogChecker:
         aging, recompute preemption to the queue front (not swap, not SGLang's retraction to the tail)."""
         cfg = self.cfg
         return (cfg.policy in ("fcfs", "priority") and not cfg.aging_steps and cfg.admission == "budget"
-                and cfg.preemption_mode == "recompute")
+                and cfg.preemption_mode == "recompute" and cfg.preemption_victim == "policy")  # slo-slack: any victim
 
     def _queue_key(self, r: _Req) -> tuple:
         """The waiting-queue order: arrival (FCFS; victims return to the front, which under

@@ -285,8 +285,10 @@ def test_order_row_catches_a_queue_that_ignores_deadlines(monkeypatch):
 # -- the fuzzer draws the new fields and profiles --------------------------------------------
 
 
-@pytest.mark.parametrize("profile", ["edf", "edf-ac", "sprpt"])
-def test_generated_traces_of_the_slo_profiles_keep_every_invariant(profile, tmp_path):
+@pytest.mark.parametrize("profile, knobs", [("edf", {}), ("edf-ac", {}), ("sprpt", {}),
+                                            ("vllm-v1", {"preemption_victim": "slo-slack", "slo": True}),
+                                            ("edf", {"slo_admission": "defer"})])
+def test_generated_traces_of_the_slo_profiles_keep_every_invariant(profile, knobs, tmp_path):
     from fuzz.generate import random_trace
     from invariants.log_checker import check_log
     from spec.formats import DecisionLog
@@ -295,7 +297,7 @@ def test_generated_traces_of_the_slo_profiles_keep_every_invariant(profile, tmp_
 
     drawn = 0
     for seed in range(60):
-        trace = random_trace(seed, profile=profile)
+        trace = random_trace(seed, profile=profile, **knobs)
         drawn += sum(r.ttft_slo is not None or r.predicted_output_len is not None for r in trace.requests)
         path = tmp_path / f"{seed}.jsonl"
         write_trace(trace, path)
