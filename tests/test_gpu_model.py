@@ -143,7 +143,7 @@ def test_greedy_tokens_equal_the_reference_engine(seed):
 
     trace = _token_trace(seed)
     ref = drive(ReferenceEngine.from_trace(trace, level="memory"), trace, 500)
-    mine = drive(GpuEngine.from_trace(trace, model="tiny", dtype=torch.float64, level="memory"), trace, 500)
+    mine = drive(GpuEngine.from_trace(trace, model="tiny", dtype=torch.float64, level="memory", log_state=True), trace, 500)
     assert _tokens(mine) == _tokens(ref)
     assert [r.to_json("memory") for r in mine] == [dataclasses.replace(r, reasons=None).to_json("memory") for r in ref]
     assert sum(len(t) for t in _tokens(ref).values()) > 0
