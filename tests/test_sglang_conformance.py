@@ -19,6 +19,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+DIFFERENCES = ROOT / "tests" / "corpus" / "sglang" / "differences"
+
+#: Minimal trace per documented difference (docs/conformance.md, SGLang section), with SGLang's
+#: recorded log: the level compared, and the step and field of the first divergence.
+DIFFERENCE_TRACES = {
+    "input-limit": ("decisions", 0, "scheduled"),  # 1
+    "output-clip": ("decisions", 9, "finished"),  # 2
+    "ignore-eos-stop-token": ("decisions", 1, "finished"),  # 3
+    "same-step-prefix": ("decisions", 0, "scheduled"),  # 5
+    "abort-running": ("decisions", 3, "scheduled"),  # 11
+    "leaf-eviction": ("memory", 20, "num_evicted"),  # 8 and 7
+}
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +143,26 @@ def test_random_traces_run_without_adapter_errors(sglang_ready):
     report = run_conformance(40, seed=0, level="decisions", engine="sglang", progress=False, workers=1)
     errors = [o for o in report.outcomes if o.divergence and o.divergence.get("kind") == "error"]
     assert not errors, errors[0].explanation
+
+
+@pytest.mark.parametrize("name", sorted(DIFFERENCE_TRACES))
+def test_documented_differences_diverge_where_their_description_says(name):
+    """Each documented difference has a minimal trace and SGLang's recorded log (no SGLang needed):
+    the spec diverges from the log at the step and field the trace's description names, until the
+    profile is fixed (then this test fails and the entry moves to the agreeing corpus)."""
+    from fuzz.replay import replay_records
+    from spec.io import load_log, load_trace
+
+    level, step, field_name = DIFFERENCE_TRACES[name]
+    trace = load_trace(DIFFERENCES / f"{name}.jsonl")
+    log = load_log(DIFFERENCES / f"{name}.log.jsonl")
+    assert log.engine == "sglang-0.5.23"
+    result = replay_records(trace, log.records, level, engine="sglang")
+    assert not result.agreed
+    assert (result.divergence.step, result.divergence.field) == (step, field_name), result.divergence.describe()
+    assert f"first divergence at step {step}, field {field_name}" in trace.description
+    doc = (ROOT / "docs" / "conformance.md").read_text()
+    assert f"tests/corpus/sglang/differences/{name}.jsonl" in doc
 
 
 def test_engine_refused_in_one_line_without_sglang():
