@@ -404,7 +404,10 @@ class LogChecker:
             where = "new" if rec.new else "resumed"
             self.flag("BATCH.STATIC_NO_JOIN", rec.step, admitted[0], f"joined while {running[0].request_id} runs", where)
         if self.cfg.batching == "prefill-first" and admitted:
-            others = [rid for rid, _ in rec.scheduled if rid not in admitted]
+            # Under prefill_chunking=first-continues a prefill cut by the budget continues first in
+            # the next prefill batch (RUN.CONTINUE_PREFILL_FIRST), before any admission.
+            continued = {rid for rid, _ in rec.scheduled[:1]} if self.cfg.prefill_chunking == "first-continues" else set()
+            others = [rid for rid, _ in rec.scheduled if rid not in admitted and rid not in continued]
             if others:
                 self.flag("BATCH.PREFILL_ONLY", rec.step, others[0], "ran in a step that admitted", "scheduled")
 
@@ -440,7 +443,10 @@ class LogChecker:
         if self.trace is not None and not running and not admitted:
             if any(w.state == "waiting" for w in waiting):
                 self.flag("LIVE.NO_IDLE_STALL", s, waiting[0].request_id, "nothing running, requests waiting, none admitted", "new")
-        if len(self.running()) > self.cfg.max_num_seqs:
+        if self.cfg.max_num_seqs_scope == "step":  # nano-vllm: a cap on one step's batch, not on running requests
+            if len(rec.scheduled) > self.cfg.max_num_seqs:
+                self.flag("SEQ.MAX_NUM_SEQS", s, None, f"{len(rec.scheduled)} scheduled > {self.cfg.max_num_seqs}", "scheduled")
+        elif len(self.running()) > self.cfg.max_num_seqs:
             where = "new" if rec.new else "resumed" if rec.resumed else "scheduled"
             self.flag("SEQ.MAX_NUM_SEQS", s, None, f"{len(self.running())} running > {self.cfg.max_num_seqs}", where)
 
