@@ -386,8 +386,8 @@ def _aging_bounded_overtaking(eng: "SpecEngine", out: "SchedulerOutput", starved
 @invariant("QUEUE.EDF_ORDER", profiles="policy=edf (edf, edf-ac)")
 def _edf_order(eng: "SpecEngine", out: "SchedulerOutput", starved: bool) -> Iterator[str]:
     """Under EDF the requests admitted in a step come before every request left waiting in
-    the order (deferred, TTFT deadline, arrival, id) (rule QUEUE.EDF): admission never passes
-    over a request that is due earlier, unless SLO admission control deferred it."""
+    the order (deferred, next-token due step, arrival, id) (rule QUEUE.EDF): admission never
+    passes over a request that is due earlier, unless SLO admission control deferred it."""
     if eng.config.policy != "edf" or not (out.new or out.resumed):
         return
     from spec.slo import edf_key

@@ -176,9 +176,9 @@ class AgingQueue:
 class EDFQueue:
     """Earliest TTFT deadline first (rule QUEUE.EDF): a binary heap on :func:`spec.slo.edf_key`.
 
-    A request's key changes only when it is deferred (SLO.DEFER) or samples its first
-    token, and neither happens while it waits, so the heap stays valid; :meth:`defer`
-    re-pushes a request with its new key."""
+    A request's key changes only when it is deferred (SLO.DEFER) or samples a token, and
+    only deferral happens while it waits, so the heap stays valid; :meth:`defer` re-pushes
+    a request with its new key."""
 
     def __init__(self) -> None:
         self._heap: list[tuple] = []

@@ -54,18 +54,18 @@ def ttft_deadline(arrival_step: int, ttft: int | None) -> int | None:
 
 @rule("QUEUE.EDF", knobs=("policy", "slo_admission"))
 def edf_key(req) -> tuple:
-    """Under policy="edf" the next candidate is the waiting request whose TTFT deadline
-    (arrival + ttft_slo - 1, in steps) comes first; ties go to the earlier arrival, then
-    the id.  A request without a TTFT target, or whose first token is already out (a
-    preempted one), is due never and comes after those with a deadline; a request deferred
-    by SLO admission control (SLO.DEFER) comes after every one that was not.
+    """Under policy="edf" the next candidate is the waiting request whose next token is due
+    first: its TTFT deadline (arrival + ttft_slo - 1, in steps), or, for a preempted request
+    whose first token is already out, its next token's (last token step + tpot_slo); ties go
+    to the earlier arrival, then the id.  A request without the target is due never and comes
+    after those with one; a request deferred by SLO admission control (SLO.DEFER) comes after
+    every one that was not.
 
     Earliest-deadline-first is the classic optimal order for meeting deadlines on one
     resource (Liu & Layland 1973); DistServe, SLOs-Serve and Andes serve LLM requests by
     their TTFT and TPOT deadlines.
     """
-    due = req.ttft_deadline if req.ttft_deadline is not None and req.first_token_step is None else NEVER
-    return (req.deferred, due, req.arrival_seq, req.request_id)
+    return (req.deferred, due_step(req), req.arrival_seq, req.request_id)
 
 
 @rule("QUEUE.SPRPT", knobs=("policy", "aging_steps"))
