@@ -142,6 +142,8 @@ class _Req:
     hit_unknown: bool = False  # admitted with an unlogged prefix hit: ``computed`` is a lower bound
     hit_blocks: int = 0  # blocks it took from the prefix cache at admission (the only ones it may share)
     registered: set = field(default_factory=set)  # block ordinals it registered in the cache since admission
+    placeholders: int = 0  # async scheduling: tokens in flight, inside ``computed`` (ASYNC.PLACEHOLDER)
+    preemptions: int = 0  # async scheduling: a token scheduled before a later preemption is stale
 
 
 @dataclass
@@ -188,6 +190,9 @@ class LogChecker:
         self._ratio = config.new_token_ratio_init  # new_token_ratio at the end of the previous record
         self._vtc: dict[str, float] = {}  # vtc_counters at the end of the previous record that logged them
         self._rules = _rule_ids()
+        #: async scheduling: step -> {request: its preemption count} of the tokens that step samples,
+        #: in flight until a record whose ``outputs_step`` names the step (ASYNC.OUTPUTS_NEXT_STEP)
+        self._in_flight: dict[int, dict[str, int]] = {}
         self.vocab = trace.vocab_size if trace is not None else MAX_VOCAB_SIZE
         if trace is not None:
             self.sources = {r.id: r for r in trace.requests}
@@ -245,6 +250,8 @@ class LogChecker:
         self._check_batching(rec, running_at_start)
         self._check_admissions(rec, waiting_at_start, running_at_start)
         self._check_scheduled(rec)
+        if self.cfg.async_scheduling:
+            self._apply_async_outputs(rec)
         self._check_finishes(rec)
         for rid, why in rec.finished:
             self._end(rid, s, why, "finished")
@@ -388,6 +395,7 @@ class LogChecker:
                 self.flag("PREEMPT.VICTIM_RULE", rec.step, rid, f"victim should be {want.request_id} ({self.cfg.policy})", "preempted")
             live.remove(r)
             r.preempted = True
+            r.placeholders, r.preemptions = 0, r.preemptions + 1  # ASYNC.PREEMPT_ZEROES_PLACEHOLDERS
             if rid in rec.swapped_out:
                 r.state = "swapped"  # keeps its computed tokens (in the CPU pool)
             else:
@@ -509,6 +517,9 @@ class LogChecker:
             r.computed += n
             if n < 1 or r.computed > self.cfg.max_model_len:
                 self.flag("REQ.COMPUTED_LE_TOKENS", s, rid, f"computed {r.computed} of max_model_len {self.cfg.max_model_len}", "scheduled")
+            if self.cfg.async_scheduling:
+                self._schedule_async(s, r)
+                continue
             if r.source is None:
                 r.outputs += rid in rec.sampled
                 continue
@@ -523,10 +534,59 @@ class LogChecker:
             if r.outputs > r.source.max_tokens:
                 self.flag("REQ.COMPUTED_LE_TOKENS", s, rid, f"{r.outputs} outputs > max_tokens {r.source.max_tokens}", "sampled")
         for rid, token in rec.sampled.items():
-            if rid not in batch:
+            if rid not in batch and not self.cfg.async_scheduling:  # async: checked against the batch in flight
                 self.flag("SAMPLE.AFTER_PREFILL", s, rid, "sampled without being scheduled", "sampled")
             if not isinstance(token, int) or not 0 <= token < self.vocab:
                 self.flag("SAMPLE.IN_VOCAB", s, rid, f"token {token} outside the vocabulary [0, {self.vocab})", "sampled")
+
+    def _schedule_async(self, s: int, r: _Req) -> None:
+        """Async scheduling: ``computed`` counts the placeholders (ASYNC.PLACEHOLDERS_COUNT), so a
+        request may be computed up to its known tokens plus its placeholders; the step samples a
+        token (a new placeholder, in flight until its outputs are applied) when it reaches them
+        (ASYNC.PLACEHOLDER)."""
+        if r.source is None:
+            return
+        tokens = r.source.prompt_len + r.outputs + r.placeholders
+        if r.computed > tokens:
+            self.flag("REQ.COMPUTED_LE_TOKENS", s, r.request_id, f"computed {r.computed} > {tokens} tokens "
+                      f"({r.placeholders} in flight)", "scheduled")
+        if r.computed >= tokens:
+            r.placeholders += 1
+            self._in_flight.setdefault(s, {})[r.request_id] = r.preemptions
+
+    def _apply_async_outputs(self, rec: StepRecord) -> None:
+        """Async scheduling: a record's ``sampled`` are the tokens of step ``outputs_step`` (the batch
+        in flight), applied after this record's batch was scheduled (ASYNC.OUTPUTS_NEXT_STEP).  Exactly
+        the requests that step sampled get a token, except those that ended since it was scheduled
+        (ASYNC.ABORT_DROPS_OUTPUT); a request preempted since gets its token all the same, stale: it
+        changes no placeholder (ASYNC.STALE_OUTPUT)."""
+        s, src_step = rec.step, rec.outputs_step
+        expected: dict[str, int] = {}
+        for step in sorted(k for k in self._in_flight if src_step is not None and k <= src_step):
+            batch = self._in_flight.pop(step)
+            if step == src_step:
+                expected = batch
+                continue
+            lost = [rid for rid in batch if self.req(rid).state != "ended"]
+            if lost:
+                self.flag("SAMPLE.AFTER_PREFILL", s, lost[0], f"the token of step {step} was never applied", "outputs_step")
+        for rid in expected:
+            r = self.req(rid)
+            if rid not in rec.sampled and r.state != "ended" and rid not in rec.aborted:
+                self.flag("SAMPLE.AFTER_PREFILL", s, rid, f"no token from step {src_step}, whose batch sampled it", "sampled")
+        for rid in rec.sampled:
+            r = self.req(rid)
+            if rid not in expected:
+                self.flag("SAMPLE.AFTER_PREFILL", s, rid, f"sampled, but step {src_step} did not sample it", "sampled")
+                continue
+            if r.state == "ended":
+                self.flag("SAMPLE.AFTER_PREFILL", s, rid, "a token applied after the request ended", "sampled")
+                continue
+            r.outputs += 1
+            if expected[rid] == r.preemptions:
+                r.placeholders -= 1
+            if r.source is not None and r.outputs > r.source.max_tokens:
+                self.flag("REQ.COMPUTED_LE_TOKENS", s, rid, f"{r.outputs} outputs > max_tokens {r.source.max_tokens}", "sampled")
 
     def _check_finishes(self, rec: StepRecord) -> None:
         """STOP.CONSISTENT: finishing follows sampling, with the stop rule's reason."""
@@ -537,7 +597,9 @@ class LogChecker:
                 self.flag("STOP.CONSISTENT", s, rid, f"finished ({finished[rid]}) in a step it did not sample", "finished")
         for rid, token in rec.sampled.items():
             r = self.reqs.get(rid)
-            if r is None or r.source is None or r.state != "running":
+            # async: a stale token may finish a request from the waiting queue (ASYNC.STALE_OUTPUT)
+            live = ("running", "waiting") if self.cfg.async_scheduling else ("running",)
+            if r is None or r.source is None or r.state not in live:
                 continue
             want = self._stop_reason(r, token)
             if want != finished.get(rid):
@@ -797,7 +859,8 @@ class LogChecker:
             r = self.reqs[rid]  # every block full of computed tokens is a hit or was registered
             if r.hit_unknown or rid in rec.preempted:
                 continue
-            missing = sorted(set(range(r.hit_blocks, r.computed // bs)) - r.registered)
+            # async: blocks whose last token is in flight are cached when it arrives (ASYNC.CACHE_AFTER_OUTPUT)
+            missing = sorted(set(range(r.hit_blocks, (r.computed - r.placeholders) // bs)) - r.registered)
             if missing:
                 self.flag("LOG.STATE_CONSISTENT", s, rid, f"full blocks {missing[:4]} never registered "
                           f"({r.computed} tokens computed)", "cache_registered")

@@ -79,3 +79,47 @@ def test_nano_vllm_step_cap_is_still_checked():
     widest = max(len(r.scheduled) for r in log.records)
     raw = dict(trace.config, profile="nano-vllm", max_num_seqs=widest - 1)
     assert "SEQ.MAX_NUM_SEQS" in {v.invariant for v in check_log(log, resolve(raw), trace).violations}
+
+
+ASYNC_TRACES = sorted((Path(__file__).parent / "corpus").glob("vllm-async-*.jsonl"))
+
+
+def _async_spec_logs(n: int):
+    from fuzz.generate import random_trace
+    from spec.scheduler import run
+
+    for seed in range(n):
+        trace = random_trace(seed, async_scheduling=True)
+        assert resolve(trace.config).async_scheduling
+        yield seed, trace, run(trace)
+
+
+def test_spec_logs_of_random_async_traces_keep_every_invariant():
+    bad = []
+    for seed, trace, records in _async_spec_logs(200):
+        bad += [f"seed {seed}: {v}" for v in check_log(DecisionLog("spec", "exact", records), resolve(trace.config), trace).violations]
+    assert not bad, f"{len(bad)} false violations; first: {bad[0]}"
+
+
+@pytest.mark.parametrize("trace_path", ASYNC_TRACES, ids=lambda p: p.stem)
+def test_vllm_async_logs_pass_check_log(trace_path):
+    log = trace_path.parent / "vllm" / f"{trace_path.stem}.log.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "batchspec.cli", "check-log", str(log), "--trace", str(trace_path),
+                           "--profile", "vllm-v1-async"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_corrupted_async_log_is_still_flagged():
+    """Dropping a token, or moving it to the record that scheduled it (a synchronous reading), is flagged."""
+    import copy
+
+    seed, trace, records = next((s, t, r) for s, t, r in _async_spec_logs(50) if sum(len(x.sampled) for x in r) > 3)
+    cfg = resolve(trace.config)
+    k = next(i for i, rec in enumerate(records) if rec.sampled and not rec.finished and i > 0)
+    dropped = copy.deepcopy(records)
+    rid = next(iter(dropped[k].sampled))
+    del dropped[k].sampled[rid]
+    assert "SAMPLE.AFTER_PREFILL" in {v.invariant for v in check_log(DecisionLog("x", "exact", dropped), cfg, trace).violations}
+    early = copy.deepcopy(records)
+    early[k - 1].sampled[rid] = early[k].sampled.pop(rid)
+    assert "SAMPLE.AFTER_PREFILL" in {v.invariant for v in check_log(DecisionLog("x", "exact", early), cfg, trace).violations}
