@@ -22,8 +22,12 @@ prefill is complete after the step (``not request.is_prefill_chunk``;
 semantics note §1.7), and that token is the one the trace prescribes:
 ``TraceRequest.output_token(index)`` — explicit ``output_tokens`` first, then
 the synthetic rule.  Stopping is vLLM's own ``check_stop``: the adapter only
-sets EOS, ``ignore_eos``, ``stop_token_ids`` and ``max_tokens`` in the
-request's ``SamplingParams``.
+sets EOS, ``ignore_eos``, ``stop_token_ids``, ``max_tokens`` and ``min_tokens``
+in the request's ``SamplingParams``.  ``min_tokens`` acts in vLLM's sampler (a
+logits processor masks stop tokens), so the fake model applies the same mask
+(``spec.formats.min_tokens_token``).  ``skip_prefix_cache`` becomes
+``SamplingParams.skip_reading_prefix_cache`` (what ``prompt_logprobs`` sets) and
+``cache_salt`` the ``Request``'s own ``cache_salt``.
 
 What the adapter decides itself, because vLLM decides it outside the
 scheduler: rejection at arrival (vLLM's front end refuses a prompt with no
@@ -348,11 +352,15 @@ class VllmEngine:
         v = vllm_modules()
         params = v["SamplingParams"](
             max_tokens=tr.max_tokens, ignore_eos=tr.ignore_eos, stop_token_ids=list(tr.stop_token_ids),
+            min_tokens=tr.min_tokens,
+            # vLLM sets this itself for prompt_logprobs; the trace says it directly
+            skip_reading_prefix_cache=tr.skip_prefix_cache,
         )
         params.update_from_generation_config({}, eos_token_id=self.eos_token_id)  # eos unless ignore_eos
         return v["Request"](
             request_id=tr.id, prompt_token_ids=tr.prompt_token_ids(self.vocab_size), sampling_params=params,
             pooling_params=None, arrival_time=float(arrival), priority=tr.priority, block_hasher=self.block_hasher,
+            cache_salt=tr.cache_salt,
         )
 
     def abort_request(self, request_id: str) -> None:
@@ -380,7 +388,8 @@ class VllmEngine:
                 # the output index this token will have: known outputs, plus those still in
                 # flight (async: this step's own placeholder is already counted)
                 index = len(request.output_token_ids) + max(request.num_output_placeholders - 1, 0)
-                sampled[rid] = self.sources[rid].output_token(index, self.vocab_size)
+                # (min_tokens: the sampler's mask of stop tokens, which vLLM applies outside the scheduler)
+                sampled[rid] = self.sources[rid].output_token(index, self.vocab_size, self.eos_token_id)
         ids = [rid for rid, _ in scheduled]
         runner_output = v["ModelRunnerOutput"](
             req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},

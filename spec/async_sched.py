@@ -163,7 +163,7 @@ def apply_outputs(eng: "SpecEngine", flight: list[InFlight], fed: dict[str, int]
             fired(ABORT_DROPS)
             continue
         stale = req.num_preemptions != f.preemptions
-        token = fed[f.request_id] if f.request_id in fed else req.source.output_token(f.index, eng.vocab_size)
+        token = fed[f.request_id] if f.request_id in fed else req.source.output_token(f.index, eng.vocab_size, eng.eos_token_id)
         took[f.request_id] = token
         was_running = req.status == Status.RUNNING
         req.append_output_token(token)

@@ -77,6 +77,32 @@ def synthetic_token(request_id: str, index: int, vocab_size: int) -> int:
     return _mix(f"{request_id}#out", index, vocab_size)
 
 
+def min_tokens_token(req: "TraceRequest", index: int, token: int, vocab_size: int, eos_token_id: int) -> int:
+    """The token sampled at output ``index < min_tokens`` when the model's choice was ``token``.
+
+    vLLM enforces ``min_tokens`` in the sampler, not the scheduler: its min-tokens logits
+    processor masks EOS (unless ``ignore_eos``) and every ``stop_token_ids`` entry until the
+    request has ``min_tokens`` outputs, so such a token is never sampled there.  The model
+    then samples its next choice, defined here as the first of ``synthetic_token(id, index)``,
+    ``crc32("<id>#min<index>#<k>")``-mixed candidates (k = 1, 2, ...), then the synthetic range
+    in order, that is not masked.  The scheduler's own stop check is unchanged.
+    """
+    masked = set(req.stop_token_ids)
+    if not req.ignore_eos:
+        masked.add(eos_token_id)
+    if token not in masked:
+        return token
+    candidates = [synthetic_token(req.id, index, vocab_size)]
+    candidates += [_mix(f"{req.id}#min{index}", k, vocab_size) for k in range(1, 64)]
+    for t in candidates:
+        if t not in masked:
+            return t
+    for t in range(FIRST_SYNTHETIC_TOKEN, vocab_size):
+        if t not in masked:
+            return t
+    return token  # every token is masked: nothing else can be sampled
+
+
 @dataclass(frozen=True)
 class TraceRequest:
     """One request of a trace (one JSON line after the header)."""
@@ -102,6 +128,10 @@ class TraceRequest:
     ttft_slo: float | None = None  # first token within this many steps (seconds) of arrival
     tpot_slo: float | None = None  # at most this many steps (seconds) between two output tokens
     predicted_output_len: int | None = None  # a predictor's guess of the output length; max_tokens stays the cap
+    # request features vLLM's scheduler sees (issue 15 item 3), written only when set
+    skip_prefix_cache: bool = False  # never reads the prefix cache (vLLM: prompt_logprobs); its blocks are still cached
+    cache_salt: str | None = None  # mixed into the hash of the first block, so only equal salts share a prefix
+    min_tokens: int = 0  # the sampler cannot emit EOS or a stop token among the first min_tokens outputs
 
     def prompt_token_ids(self, vocab_size: int = DEFAULT_VOCAB_SIZE) -> list[int]:
         """The prompt's token ids: explicit, or synthesized from the id and prefix group.
@@ -116,11 +146,19 @@ class TraceRequest:
         tail = [_mix(f"{self.id}#in", i, vocab_size) for i in range(shared, self.prompt_len)]
         return head + tail
 
-    def output_token(self, index: int, vocab_size: int = DEFAULT_VOCAB_SIZE) -> int:
-        """Token number ``index`` the scheduler-only model samples for this request."""
-        if index < len(self.output_tokens):
-            return self.output_tokens[index]
-        return synthetic_token(self.id, index, vocab_size)
+    def output_token(self, index: int, vocab_size: int = DEFAULT_VOCAB_SIZE, eos_token_id: int | None = None) -> int:
+        """Token number ``index`` the scheduler-only model samples for this request.
+
+        Explicit ``output_tokens`` first, then the synthetic rule; among the first
+        ``min_tokens`` outputs a stop token is masked (:func:`min_tokens_token`), which
+        needs the trace's ``eos_token_id``.
+        """
+        token = self.output_tokens[index] if index < len(self.output_tokens) else synthetic_token(self.id, index, vocab_size)
+        if index < self.min_tokens:
+            if eos_token_id is None:
+                raise ValueError(f"request {self.id!r} has min_tokens: output_token() needs the trace's eos_token_id")
+            token = min_tokens_token(self, index, token, vocab_size, eos_token_id)
+        return token
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id}
@@ -148,6 +186,12 @@ class TraceRequest:
         for name in SLO_REQUEST_FIELDS:
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
+        if self.skip_prefix_cache:
+            out["skip_prefix_cache"] = True
+        if self.cache_salt is not None:
+            out["cache_salt"] = self.cache_salt
+        if self.min_tokens:
+            out["min_tokens"] = self.min_tokens
         return out
 
     @classmethod
@@ -169,6 +213,9 @@ class TraceRequest:
             abort_at=obj.get("abort_at"),
             output_tokens=tuple(obj.get("output_tokens", ())),
             **{name: obj.get(name) for name in SLO_REQUEST_FIELDS},
+            skip_prefix_cache=obj.get("skip_prefix_cache", False),
+            cache_salt=obj.get("cache_salt"),
+            min_tokens=obj.get("min_tokens", 0),
         )
 
 

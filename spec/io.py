@@ -518,6 +518,8 @@ def _request(obj: Any, path: str, line: int, vocab: int) -> TraceRequest:
         bad = [t for t in (getattr(req, name) or ()) if t >= vocab]
         if bad:
             raise FormatError(path, line, name, f"token id {bad[0]} outside the vocabulary (vocab_size {vocab})")
+    if req.min_tokens > req.max_tokens:
+        raise FormatError(path, line, "min_tokens", f"{req.min_tokens} is more than max_tokens ({req.max_tokens})")
     if req.abort_at is not None and req.arrival_step is not None and req.abort_at < req.arrival_step:
         raise FormatError(path, line, "abort_at", f"{req.abort_at} is before arrival_step {req.arrival_step}")
     return req

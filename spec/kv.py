@@ -46,6 +46,29 @@ def hash_block(parent: bytes | None, tokens: Iterable[int]) -> bytes:
     return h.digest()
 
 
+@rule("CACHE.SALT", knobs=("enable_prefix_caching",))
+def salted_first_hash(first_hash: bytes, cache_salt: str) -> bytes:
+    """A request's ``cache_salt`` is mixed into the hash of its first block only.
+
+    vLLM adds ``("cache_salt", salt)`` to the extra keys of the block starting at
+    token 0 (an empty salt adds nothing); every later hash chains on that one, so
+    two requests share prefix blocks only if their salts are equal (or both unset).
+    """
+    return hashlib.sha256(b"batchspec-cache-salt\0" + cache_salt.encode() + b"\0" + first_hash).digest()
+
+
+@rule("CACHE.SKIP_READ", knobs=("enable_prefix_caching",), applies=bool)
+def skips_prefix_cache(req) -> bool:
+    """A request marked ``skip_prefix_cache`` never reads the prefix cache: it hits
+    nothing at admission or on resumption and computes its whole sequence.
+
+    vLLM sets ``skip_reading_prefix_cache`` for requests with ``prompt_logprobs`` (a hit
+    would skip the positions whose logprobs were asked for).  Only reading is skipped:
+    its full blocks are still hashed and registered, so later requests hit them.
+    """
+    return bool(getattr(req, "skip_prefix_cache", False))
+
+
 class SequenceLike(Protocol):
     request_id: str
     num_computed_tokens: int
@@ -293,7 +316,7 @@ class KVCacheManager:
         resumed request looks up prompt *and* outputs, so it re-hits its own blocks
         if they were not evicted.
         """
-        if not self.pool.caching:
+        if not self.pool.caching or skips_prefix_cache(req):
             return [], 0
         hits: list[KVBlock] = []
         for h in req.block_hashes[: (req.num_tokens - 1) // self.block_size]:

@@ -40,7 +40,7 @@ from spec.formats import (
     Trace,
     TraceRequest,
 )
-from spec.kv import AllocFailure, KVCacheManager, cdiv, hash_block
+from spec.kv import AllocFailure, KVCacheManager, cdiv, hash_block, salted_first_hash
 from spec.protocol import drive
 from spec.queues import make_queue
 from spec.rules import declare, fired, phase, reason, rule
@@ -78,7 +78,6 @@ class Request:
     finish_reason: str | None = None
     block_hashes: list[bytes] = field(default_factory=list)
     arrival_step: int = 0  # the engine's step count when it arrived (its age, for QUEUE.AGING)
-    num_output_placeholders: int = 0  # async scheduling: sampled tokens still in flight (rule ASYNC.PLACEHOLDER)
     # service-level targets in steps (issue 19, spec.slo); None: no target
     ttft_deadline: int | None = None  # last step in which its first token meets ttft_slo
     tpot_steps: int | None = None  # most steps between two of its tokens
@@ -87,6 +86,9 @@ class Request:
     first_token_step: int | None = None
     last_token_step: int | None = None
     slo_missed: bool = False  # a token was sampled after it was due
+    num_output_placeholders: int = 0  # async scheduling: sampled tokens still in flight (rule ASYNC.PLACEHOLDER)
+    skip_prefix_cache: bool = False  # never reads the prefix cache (rule CACHE.SKIP_READ)
+    cache_salt: str | None = None  # mixed into the first block's hash (rule CACHE.SALT)
 
     def __post_init__(self) -> None:
         self._extend_block_hashes()
@@ -127,7 +129,10 @@ class Request:
         while (len(self.block_hashes) + 1) * bs <= self.num_tokens:
             i = len(self.block_hashes)
             parent = self.block_hashes[-1] if i else None
-            self.block_hashes.append(hash_block(parent, self.tokens(i * bs, (i + 1) * bs)))
+            h = hash_block(parent, self.tokens(i * bs, (i + 1) * bs))
+            if i == 0 and self.cache_salt:
+                h = salted_first_hash(h, self.cache_salt)
+            self.block_hashes.append(h)
 
 
 @dataclass
@@ -755,6 +760,8 @@ class SpecEngine:
             block_size=cfg.block_size,
             block_hashes=list(hashes),
             arrival_step=self.clock,
+            skip_prefix_cache=tr.skip_prefix_cache,
+            cache_salt=tr.cache_salt,
             **self._slo_fields(tr),
         )
         self.requests[tr.id] = req
@@ -776,11 +783,12 @@ class SpecEngine:
         request content and shared (never mutated) by every engine that uses the cache."""
         if self.prompt_cache is None:
             return tr.prompt_token_ids(self.vocab_size), []
-        key = (tr.id, tr.prompt, tr.prompt_len, tr.prefix_group, tr.prefix_len, self.vocab_size, self.config.block_size)
+        key = (tr.id, tr.prompt, tr.prompt_len, tr.prefix_group, tr.prefix_len, self.vocab_size, self.config.block_size,
+               tr.cache_salt)
         if key not in self.prompt_cache:
             ints = self.prompt_cache.setdefault("token ints", list(range(self.vocab_size)))  # one int object per id:
             prompt = [ints[t] if t < len(ints) else t for t in tr.prompt_token_ids(self.vocab_size)]  # 8 bytes a token
-            probe = Request(tr.id, prompt, 1, 0, 0, None, frozenset(), tr, self.config.block_size)
+            probe = Request(tr.id, prompt, 1, 0, 0, None, frozenset(), tr, self.config.block_size, cache_salt=tr.cache_salt)
             self.prompt_cache[key] = (prompt, probe.block_hashes)
         return self.prompt_cache[key]
 
@@ -838,7 +846,7 @@ class SpecEngine:
 
     def _synthetic_token(self, request_id: str) -> int:
         req = self.requests[request_id]
-        return req.source.output_token(len(req.output_token_ids), self.vocab_size)
+        return req.source.output_token(len(req.output_token_ids), self.vocab_size, self.eos_token_id)
 
     # -- schedule --------------------------------------------------------
 
