@@ -680,12 +680,18 @@ class Scheduler:
         if self.estimate:  # SGLang's rem_total_tokens, fixed as the admission round begins
             held = (self.ratio * self._remaining_output(self.running)).astype(np.float64)
             rem = self.pool.num_free * self.bs - (float(np.add.accumulate(held)[-1]) if len(held) else 0)
+        window = 8
         while budget > 0 and self.num_waiting > 0 and len(self.running) < c.max_num_seqs:
             if self.tc is not None:  # VTC: one admission per round, each charge moves the pick
                 keys = xp.where(self.tenant == self.tc.pick(), self.queue_key, INF_KEY)
                 cand = xp.smallest_k(keys, 1)
             else:
-                width = min(self.num_waiting, c.max_num_seqs - len(self.running), budget)
+                # rounds of growing windows (8, 16, ...): a round ends at the first candidate that
+                # fails, so looking up the hits of a long queue's whole head is mostly wasted when
+                # the budget admits a few long prompts; more rounds change no decision (each starts
+                # from the state the last one left, as the cut at a conflict already does)
+                width = min(self.num_waiting, c.max_num_seqs - len(self.running), budget, window)
+                window *= 2
                 cand = xp.smallest_k(self._queue_keys(), width)
             ntok = self.num_tokens[cand]
             if self.caching:
