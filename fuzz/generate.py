@@ -57,12 +57,20 @@ FEATURES: dict[str, str] = {
               "a 1-3 token budget, 13-32 requests, max_model_len 2-12, or a watermark of 0.3-0.7",
 }
 
+#: Feature areas of the request features vLLM's scheduler sees (issue 15 item 3), drawn only
+#: with the switch ``request_features=True`` (engines that ignore the fields would diverge).
+REQUEST_FEATURES = {
+    "skip_prefix_cache": "a request that never reads the prefix cache (vLLM: prompt_logprobs)",
+    "cache_salt": "a request with a cache_salt",
+    "min_tokens": "a request with min_tokens > 0",
+}
+
 BLOCK_SIZES = (4, 8, 16)
 MAX_PROMPT = 80
 _KNOBS = {f.name for f in fields(SchedulerConfig)} - {"profile"}
 #: Generator switches accepted by :func:`random_trace` besides the knobs.
 SWITCHES = ("n_requests", "aborts", "stop_tokens", "eos", "prefix_groups", "rejections", "tight_memory", "clones", "stress",
-            "tenants", "slo")
+            "tenants", "slo", "request_features")
 #: Extreme corners a ``stress`` trace takes one to three of.
 STRESS = ("vocab", "block", "budget", "many", "short", "watermark")
 
@@ -334,6 +342,8 @@ def random_trace(seed: int, **options: Any) -> Trace:
         _draw_tenants(random.Random(f"tenants:{seed}"), cfg, requests, options)
     if options.get("slo", _uses_slo(cfg)):
         requests = _draw_slo(random.Random(f"slo:{seed}"), requests)
+    if options.get("request_features"):
+        requests = _draw_request_features(random.Random(f"features:{seed}"), requests)
     if "num_blocks" not in options:
         peaks = [_peak_slots(r.prompt_len, r.max_tokens, cfg["max_model_len"]) for r in requests
                  if r.prompt_len < cfg["max_model_len"]] or [1]
@@ -364,6 +374,21 @@ def _draw_slo(rng: random.Random, requests: list[TraceRequest]) -> list[TraceReq
         tpot = rng.choice((None, 1, 2, 3))
         pred = rng.choice((None, r.max_tokens, rng.randint(0, r.max_tokens + 4)))
         out.append(replace(r, ttft_slo=ttft, tpot_slo=tpot, predicted_output_len=pred))
+    return out
+
+
+def _draw_request_features(rng: random.Random, requests: list[TraceRequest]) -> list[TraceRequest]:
+    """The request features vLLM's scheduler sees (issue 15 item 3), from their own generator
+    (so the rest of the trace keeps its draws): about a quarter of the requests skip the
+    prefix cache, a third carry one of two salts, a third have ``min_tokens`` up to
+    ``max_tokens`` (often 1-2, where a scripted EOS or stop token is masked)."""
+    out = []
+    for r in requests:
+        skip = rng.random() < 0.25
+        salt = rng.choice(("s0", "s1")) if rng.random() < 0.35 else None
+        low = rng.randint(0, min(2, r.max_tokens))
+        min_tokens = rng.choice((low, rng.randint(0, r.max_tokens))) if rng.random() < 0.35 else 0
+        out.append(replace(r, skip_prefix_cache=skip, cache_salt=salt, min_tokens=min_tokens))
     return out
 
 
@@ -405,6 +430,9 @@ def trace_features(trace: Trace, records: Iterable[StepRecord] | None = None) ->
             tags.add("stop_tokens")
         if trace.eos_token_id in r.output_tokens:
             tags.add("ignore_eos" if r.ignore_eos else "eos")
+        for name in ("skip_prefix_cache", "cache_salt", "min_tokens"):
+            if getattr(r, name):
+                tags.add(name)
     if records is None:
         return tags
     for rec in records:

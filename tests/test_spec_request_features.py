@@ -177,3 +177,31 @@ def test_vllm_equals_spec_exactly(scenario):
 
     spec, vllm = run(_trace(*requests)), _vllm(*requests)
     assert first_divergence(spec, vllm, level="exact") is None
+
+
+# -- the fuzzer's knob ---------------------------------------------------------
+
+def test_generator_draws_features_without_changing_other_draws():
+    """``request_features=True`` adds the fields from its own random stream: the rest of
+    each trace is the one ``random_trace(seed)`` makes, and the features appear."""
+    from dataclasses import replace
+
+    from fuzz.generate import random_trace, trace_features
+
+    seen = set()
+    for seed in range(60):
+        plain, drawn = random_trace(seed), random_trace(seed, request_features=True)
+        assert drawn.config == plain.config
+        assert [replace(r, skip_prefix_cache=False, cache_salt=None, min_tokens=0) for r in drawn.requests] == plain.requests
+        assert all(0 <= r.min_tokens <= r.max_tokens for r in drawn.requests)
+        assert random_trace(seed, request_features=True).requests == drawn.requests  # deterministic
+        seen |= trace_features(drawn) & {"skip_prefix_cache", "cache_salt", "min_tokens"}
+        assert not trace_features(plain) & {"skip_prefix_cache", "cache_salt", "min_tokens"}
+    assert seen == {"skip_prefix_cache", "cache_salt", "min_tokens"}
+
+
+def test_generated_feature_traces_run_on_the_spec_with_invariants():
+    from fuzz.generate import random_trace
+
+    for seed in range(40):
+        run(random_trace(seed, request_features=True), check_invariants=True)
