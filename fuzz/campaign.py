@@ -655,7 +655,9 @@ def validate_options(cfg: CampaignConfig) -> CampaignConfig:
     try:
         resolve({"profile": cfg.profile if cfg.profile in PROFILES else "vllm-v1", **cfg.knobs})
     except ConfigError as e:
-        raise OptionError("--set", str(e)) from None
+        fix = (f"drop {e.field} from --set" if e.field in cfg.knobs else
+               f"--set {e.field} too, or pick another --profile") if e.field != "profile" else "pick a known profile"
+        raise OptionError("--set", f"{e} ({fix})") from None
     try:
         envelope = campaign_envelope(cfg)
     except (ValueError, EngineUnavailable) as e:  # fuzz.capabilities.CapabilityError, an unknown engine
@@ -977,9 +979,11 @@ def trace_options(cfg: CampaignConfig, k: int, uncovered: list[str], envelope) -
     profile = trace_profile(cfg.profile, k)
     if profile is not None and not envelope.everything and profile not in envelope.profiles():
         profile = None
+    if profile is not None and cfg.profile == ALL_PROFILES and not _profile_takes(profile, cfg.knobs):
+        profile = None  # a rotated profile that --set contradicts (tgi under async): the default family instead
     options = steer(uncovered, k, profile)
     if envelope.everything:
-        return {**options, **cfg.knobs}
+        return _pin_required(cfg.knobs, {**options, **cfg.knobs})
     options = {key: v for key, v in options.items() if key not in _KNOBS or envelope.allows(key, v)}
     fixed = set(cfg.knobs) | (set(profile_knobs(profile)) if profile else set())
     # under --profile all, the family traces (k % 4 in {0, 1}) take consecutive rotation slots: coverage
@@ -987,7 +991,41 @@ def trace_options(cfg: CampaignConfig, k: int, uncovered: list[str], envelope) -
     drawn = envelope.options(slot, cfg.seed, fixed=fixed)
     if profile:
         drawn["profile"] = profile
-    return {**options, **drawn, **cfg.knobs}
+    return _pin_required(cfg.knobs, {**options, **drawn, **cfg.knobs})
+
+
+def _profile_takes(profile: str, knobs: dict[str, Any]) -> bool:
+    """Whether ``profile`` is a valid configuration with the ``--set`` knobs over it."""
+    from spec.config import ConfigError, resolve
+
+    try:
+        resolve({"profile": profile, **knobs})
+    except ConfigError:
+        return False
+    return True
+
+
+def _pin_required(fixed: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+    """The knob values a ``--set`` knob is only specified with replace steered or drawn ones:
+    under ``async_scheduling=true`` the knobs of :data:`spec.config.ASYNC_NEEDS` (vLLM V1's
+    AsyncScheduler) and no SLO policy, so that steering towards, say, swap preemption does not
+    make every trace of an async campaign invalid.  Knobs given with ``--set`` are never changed
+    (a conflict among them is refused by :func:`validate_options`)."""
+    from spec.config import ASYNC_NEEDS
+
+    if not fixed.get("async_scheduling"):
+        return options
+    out = dict(options)
+    for name, value in ASYNC_NEEDS.items():
+        if name not in fixed:
+            out[name] = value
+    if out.get("policy") == "edf" and "policy" not in fixed:  # the SLO policies are synchronous only
+        out["policy"] = "fcfs"
+    if out.get("preemption_victim", "policy") != "policy" and "preemption_victim" not in fixed:
+        out["preemption_victim"] = "policy"
+    if out.get("slo_admission", "off") != "off" and out.get("policy") != "edf" and "slo_admission" not in fixed:
+        out["slo_admission"] = "off"
+    return out
 
 
 def _round_tasks(cfg: CampaignConfig, state: CampaignState, all_rules: list[str], envelope=None) -> list[Task]:
