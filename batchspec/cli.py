@@ -133,7 +133,7 @@ def cmd_run(args) -> int:
     from spec.scheduler import run
 
     check_outputs({"--log": args.log}, {"TRACE": _trace_arg(args)})
-    trace = load_trace(_trace_arg(args))
+    trace = load_trace(_trace_arg(args), steps=True)
     records = run(trace, check_invariants=not args.no_check)
     if args.log:
         write_log(DecisionLog("spec", "exact", records, trace=trace.source, config=trace.config), args.log)
@@ -149,7 +149,7 @@ def cmd_run(args) -> int:
 def cmd_explain(args) -> int:
     from spec.scheduler import run
 
-    trace = load_trace(args.trace)
+    trace = load_trace(args.trace, steps=True)
     try:
         req = trace.request(args.request_id)
     except KeyError:

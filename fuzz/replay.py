@@ -434,7 +434,7 @@ def replay_command(trace_path: str, engine: str = "vllm", level: str = "exact",
 
     out, err = Console(), Console(stderr=True, soft_wrap=True)  # an error stays one line
     try:
-        trace = load_trace(trace_path)
+        trace = load_trace(trace_path, steps=True)
         after = None if (log_path or spec_log_path) else 0  # a log asked for is written whole
         if engine_log:
             log = load_log(engine_log)

@@ -68,7 +68,7 @@ def cli_generate(trace: Trace | str | Path, model=None, seed: int = 0, sampling:
     ``"temperature=0.8,top_p=0.9,seed=1"``).  ``log_path`` writes the decision log.
     """
     if not isinstance(trace, Trace):
-        trace = load_trace(trace)
+        trace = load_trace(trace, steps=True)
     if not isinstance(sampling, SamplingParams):
         sampling = SamplingParams.parse(sampling)
     engine = ReferenceEngine.from_trace(trace, model, sampling, seed, level, check_invariants)

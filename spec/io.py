@@ -395,11 +395,20 @@ def _check_config(raw: dict, path: str, line: int) -> None:
         raise FormatError(path, line, f"config.{e.field}", e.problem) from None
 
 
-def load_trace(path: str | os.PathLike) -> Trace:
+#: Why a step-by-step command refuses a request without ``arrival_step`` (load_trace(steps=True)).
+NEEDS_ARRIVAL_STEP = ("missing (this trace gives arrival times in seconds; step-by-step commands need arrival_step: "
+                      "re-import with `batchspec import --step-seconds S`, or use `batchspec simulate`, "
+                      "which maps seconds to steps)")
+
+
+def load_trace(path: str | os.PathLike, steps: bool = False) -> Trace:
     """Read and validate a trace file; raise :class:`FormatError` on any problem.
 
     The file is streamed: its size (``trace_bytes``), each line (``line_bytes``),
     the number of requests (``requests``) and every value are checked as it is read.
+    ``steps=True`` is for the commands that replay a trace step by step (run, explain,
+    replay, generate): a request with only ``arrival_time`` (seconds) is refused at its
+    line, since steps are the only clock those commands have.
     """
     path = str(path)
     rows = _json_lines(path, "trace_bytes")
@@ -416,6 +425,8 @@ def load_trace(path: str | os.PathLike) -> Trace:
     classes = header.get("slo_classes") or {}
     for n, obj in _limited(rows, path):
         req = _slo_checked(_request(obj, path, n, vocab), classes, path, n)
+        if steps and req.arrival_step is None:
+            raise FormatError(path, n, "arrival_step", NEEDS_ARRIVAL_STEP)
         order.check(req, n)
         requests.append(req)
     return Trace(
@@ -470,7 +481,7 @@ def _limited(rows: Iterable[tuple[int, Any]], path: str) -> Iterator[tuple[int, 
 
 #: Request fields with an upper limit, and the limit's name.
 _REQUEST_LIMITS = {"prompt_len": "prompt_len", "max_tokens": "max_tokens", "arrival_step": "steps",
-                   "abort_at": "steps", "arrival_time": "arrival_time"}
+                   "abort_at": "steps", "arrival_time": "arrival_time", "client_arrival_time": "arrival_time"}
 
 
 #: Token-id arrays of a request, and the limit on their length.

@@ -328,6 +328,17 @@ LOG_FILES = [
 ]
 
 
+# A trace that gives arrival times in seconds only: the step-by-step commands refuse it at the
+# first such request's line, and say how to convert it (item 5); simulate maps seconds to steps.
+_SECONDS_ONLY = lines(HEADER, {"id": "a", "arrival_time": 0.0, "prompt_len": 5, "max_tokens": 3},
+                      {"id": "b", "arrival_time": 0.25, "prompt_len": 7, "max_tokens": 2})
+_NEEDS_STEPS = ("t.jsonl:2: arrival_step: missing", "batchspec import --step-seconds S", "batchspec simulate")
+for _id, _argv in (("run", ["run", "{t}"]), ("explain", ["explain", "{t}", "a"]), ("replay", ["replay", "{t}", "--engine", "spec"]),
+                   ("generate", ["generate", "{t}"])):
+    case(f"{_id}-arrival-time-only", lambda d, a=_argv: [text_file("t.jsonl", _SECONDS_ONLY)(d) if x == "{t}" else x for x in a],
+         *_NEEDS_STEPS)
+
+
 def _good_trace(d: Path) -> Path:
     p = d / "good.jsonl"
     p.write_text(lines(HEADER, REQ, REQ_B))
