@@ -61,6 +61,7 @@ class ConformanceReport:
     seconds: float = 0.0
     workers: int = 1
     envelope: str = ""  # the engine's capability envelope the traces were drawn in
+    capabilities: str | None = None  # the --capabilities FILE that replaced the engine's declaration, if any
 
     @property
     def n_traces(self) -> int:
@@ -90,7 +91,12 @@ class ConformanceReport:
         return out
 
     def command(self) -> str:
-        return f"batchspec conform --engine {self.engine} --traces {self.n_traces} --seed {self.seed} --level {self.level}"
+        """The command that reproduces this report (the same traces: the envelope decides which are drawn)."""
+        import shlex
+
+        extra = f" --capabilities {shlex.quote(self.capabilities)}" if self.capabilities else ""
+        return (f"batchspec conform --engine {self.engine} --traces {self.n_traces} --seed {self.seed} "
+                f"--level {self.level}{extra}")
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -251,13 +257,14 @@ def conform_command(engine: str = "vllm", traces: int = 2000, seed: int = 0, lev
 
     out, err = Console(), Console(stderr=True, soft_wrap=True)  # an error stays one line
     if level not in LEVELS or traces < 1:
-        err.print(f"[red]error:[/] need --traces >= 1 and --level in {', '.join(LEVELS)}")
+        err.print(f"[red]error:[/] need --traces >= 1 and --level in {', '.join(LEVELS)}", soft_wrap=True)
         return 2
     try:
         envelope = for_engine(engine, capabilities)
         report = run_conformance(traces, seed, level, engine, progress=progress, workers=workers, capabilities=envelope)
+        report.capabilities = capabilities
     except (EngineUnavailable, CapabilityError) as e:
-        err.print(f"[red]error:[/] {e}", highlight=False)
+        err.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
         return 2
     out.print(render_markdown(report) if markdown else render_table(report))
     for o in report.divergent[:20]:
@@ -268,10 +275,12 @@ def conform_command(engine: str = "vllm", traces: int = 2000, seed: int = 0, lev
         folder = Path(save_divergent)
         for o in report.divergent:
             write_trace(trace_for(o.seed, envelope), folder / f"seed-{o.seed}.jsonl")
-        out.print(f"divergent traces written to {folder}/seed-N.jsonl (replay: batchspec replay FILE --engine {engine})")
+        out.print(f"divergent traces written to {folder}/seed-N.jsonl (replay: batchspec replay FILE --engine {engine})",
+                  highlight=False, soft_wrap=True)
     if json_path:
         from spec.io import atomic_write_text
 
         atomic_write_text(json_path, json.dumps(report.to_json(), indent=1) + "\n")
-    out.print(f"{report.n_agreed}/{report.n_traces} traces agree ({report.command()})", highlight=False)
+    # one line whatever the terminal width: it ends with the command to copy
+    out.print(f"{report.n_agreed}/{report.n_traces} traces agree ({report.command()})", highlight=False, soft_wrap=True)
     return 0 if report.all_agreed else 1

@@ -48,3 +48,39 @@ def test_conform_command(tmp_path, capsys):
     assert "12/12 traces agree" in capsys.readouterr().out
     assert conform_command("spec", traces=0) == 2
     assert conform_command("no-such-engine", traces=2, progress=False) == 2
+
+
+CAPS = __import__("pathlib").Path(__file__).parent.parent / "examples" / "vllm-v1-async.capabilities.json"
+
+
+def _conform_cli(*argv: str, columns: int = 40):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "batchspec.cli", "conform", "--no-progress", *argv], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "COLUMNS": str(columns)})
+
+
+def test_the_reproduction_command_names_the_capabilities_file(tmp_path):
+    """Run with --capabilities FILE, the printed command (and the JSON's) draws the same traces: it names FILE,
+    and the summary line stays one line in a narrow terminal."""
+    proc = _conform_cli("--engine", "spec", "--traces", "2", "--capabilities", str(CAPS), "--json", str(tmp_path / "r.json"))
+    assert proc.returncode == 0, proc.stderr
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert summary.startswith("2/2 traces agree (batchspec conform --engine spec")
+    assert summary.endswith(f"--capabilities {CAPS})")
+    assert json.loads((tmp_path / "r.json").read_text())["command"].endswith(f"--capabilities {CAPS}")
+
+
+def test_without_capabilities_the_command_has_none(tmp_path):
+    proc = _conform_cli("--engine", "spec", "--traces", "1")
+    assert "--capabilities" not in proc.stdout and proc.returncode == 0
+
+
+def test_conform_errors_are_one_line_in_a_narrow_terminal(tmp_path):
+    bad = tmp_path / "caps.json"
+    bad.write_text('{"knobs": {"policy": ["nosuch"]}}')
+    for argv in (["--engine", "nosuch", "--traces", "2"], ["--engine", "spec", "--traces", "2", "--capabilities", str(bad)]):
+        proc = _conform_cli(*argv, columns=20)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
