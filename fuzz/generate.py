@@ -63,6 +63,7 @@ REQUEST_FEATURES = {
     "skip_prefix_cache": "a request that never reads the prefix cache (vLLM: prompt_logprobs)",
     "cache_salt": "a request with a cache_salt",
     "min_tokens": "a request with min_tokens > 0",
+    "client_arrival_time": "policy priority and a request with client_arrival_time (vLLM's arrival_time: priority ties)",
 }
 
 BLOCK_SIZES = (4, 8, 16)
@@ -381,14 +382,18 @@ def _draw_request_features(rng: random.Random, requests: list[TraceRequest]) -> 
     """The request features vLLM's scheduler sees (issue 15 item 3), from their own generator
     (so the rest of the trace keeps its draws): about a quarter of the requests skip the
     prefix cache, a third carry one of two salts, a third have ``min_tokens`` up to
-    ``max_tokens`` (often 1-2, where a scripted EOS or stop token is masked)."""
+    ``max_tokens`` (often 1-2, where a scripted EOS or stop token is masked), two in five
+    a ``client_arrival_time`` (priority ties) out of arrival order."""
     out = []
     for r in requests:
         skip = rng.random() < 0.25
         salt = rng.choice(("s0", "s1")) if rng.random() < 0.35 else None
         low = rng.randint(0, min(2, r.max_tokens))
         min_tokens = rng.choice((low, rng.randint(0, r.max_tokens))) if rng.random() < 0.35 else 0
-        out.append(replace(r, skip_prefix_cache=skip, cache_salt=salt, min_tokens=min_tokens))
+        # vLLM's arrival_time, out of the order of arrival, often tying with others (or with
+        # the arrival indices that stand in for it on requests without one)
+        tie = rng.choice((float(rng.randint(0, len(requests))), rng.randint(0, 2 * len(requests)) / 2)) if rng.random() < 0.4 else None
+        out.append(replace(r, skip_prefix_cache=skip, cache_salt=salt, min_tokens=min_tokens, client_arrival_time=tie))
     return out
 
 
@@ -433,6 +438,8 @@ def trace_features(trace: Trace, records: Iterable[StepRecord] | None = None) ->
         for name in ("skip_prefix_cache", "cache_salt", "min_tokens"):
             if getattr(r, name):
                 tags.add(name)
+        if r.client_arrival_time is not None and cfg["policy"] == "priority":
+            tags.add("client_arrival_time")
     if records is None:
         return tags
     for rec in records:

@@ -359,7 +359,7 @@ class VllmEngine:
         params.update_from_generation_config({}, eos_token_id=self.eos_token_id)  # eos unless ignore_eos
         return v["Request"](
             request_id=tr.id, prompt_token_ids=tr.prompt_token_ids(self.vocab_size), sampling_params=params,
-            pooling_params=None, arrival_time=float(arrival), priority=tr.priority, block_hasher=self.block_hasher,
+            pooling_params=None, arrival_time=tr.tie_time(arrival), priority=tr.priority, block_hasher=self.block_hasher,
             cache_salt=tr.cache_salt,
         )
 

@@ -430,7 +430,7 @@ class LogChecker:
             return live[-1]
         if self.trace is None:
             return None
-        return max(live, key=lambda r: (r.source.priority if r.source else 0, self.arrival.get(r.request_id, 0)))
+        return max(live, key=lambda r: (r.source.priority if r.source else 0, self._tie_time(r)))
 
     def _check_admissions(self, rec: StepRecord, waiting: list[_Req], running: list[_Req]) -> None:
         s = rec.step
@@ -500,8 +500,13 @@ class LogChecker:
         FCFS is still arrival order), or (priority, arrival, id as a string)."""
         arrival = self.arrival.get(r.request_id, 0)
         if self.cfg.policy == "priority":
-            return (r.source.priority if r.source else 0, arrival, r.request_id)
+            return (r.source.priority if r.source else 0, self._tie_time(r), r.request_id)
         return (arrival,)
+
+    def _tie_time(self, r: _Req) -> float:
+        """Priority ties: the trace's client_arrival_time, else the order of arrival (#15)."""
+        arrival = self.arrival.get(r.request_id, 0)
+        return r.source.tie_time(arrival) if r.source else float(arrival)
 
     def _check_scheduled(self, rec: StepRecord) -> None:
         s = rec.step

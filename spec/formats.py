@@ -132,6 +132,9 @@ class TraceRequest:
     skip_prefix_cache: bool = False  # never reads the prefix cache (vLLM: prompt_logprobs); its blocks are still cached
     cache_salt: str | None = None  # mixed into the hash of the first block, so only equal salts share a prefix
     min_tokens: int = 0  # the sampler cannot emit EOS or a stop token among the first min_tokens outputs
+    # the arrival_time vLLM's Request carries (the client's clock, seconds): priority ties go to
+    # the smaller one, whatever order the requests reached the scheduler in; None: the order of arrival
+    client_arrival_time: float | None = None
 
     def prompt_token_ids(self, vocab_size: int = DEFAULT_VOCAB_SIZE) -> list[int]:
         """The prompt's token ids: explicit, or synthesized from the id and prefix group.
@@ -145,6 +148,12 @@ class TraceRequest:
         head = [_mix(f"{self.prefix_group}#pre", i, vocab_size) for i in range(shared)]
         tail = [_mix(f"{self.id}#in", i, vocab_size) for i in range(shared, self.prompt_len)]
         return head + tail
+
+    def tie_time(self, arrival_index: int) -> float:
+        """The time that breaks priority ties (vLLM's ``Request.arrival_time``): the trace's
+        ``client_arrival_time``, else the request's arrival index (0, 1, 2, ... in the order
+        requests reach the scheduler, rejected ones included) as seconds."""
+        return float(arrival_index) if self.client_arrival_time is None else float(self.client_arrival_time)
 
     def output_token(self, index: int, vocab_size: int = DEFAULT_VOCAB_SIZE, eos_token_id: int | None = None) -> int:
         """Token number ``index`` the scheduler-only model samples for this request.
@@ -192,6 +201,8 @@ class TraceRequest:
             out["cache_salt"] = self.cache_salt
         if self.min_tokens:
             out["min_tokens"] = self.min_tokens
+        if self.client_arrival_time is not None:
+            out["client_arrival_time"] = self.client_arrival_time
         return out
 
     @classmethod
@@ -216,6 +227,7 @@ class TraceRequest:
             skip_prefix_cache=obj.get("skip_prefix_cache", False),
             cache_salt=obj.get("cache_salt"),
             min_tokens=obj.get("min_tokens", 0),
+            client_arrival_time=obj.get("client_arrival_time"),
         )
 
 

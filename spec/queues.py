@@ -63,7 +63,7 @@ class FCFSQueue:
 
 
 def priority_key(req: Queued) -> tuple:
-    return (req.priority, req.arrival_seq, req.request_id)
+    return (req.priority, getattr(req, "tie_time", req.arrival_seq), req.request_id)
 
 
 class PriorityQueue:
@@ -80,11 +80,13 @@ class PriorityQueue:
 
     @rule("QUEUE.PRIORITY", knobs=("policy",))
     def add(self, req: Queued) -> None:
-        """Under "priority" the next candidate is the smallest (priority, arrival, id).
+        """Under "priority" the next candidate is the smallest (priority, arrival time, id).
 
         A smaller priority number is more important (vLLM's convention); ties go
-        to the earlier arrival, then to the request id compared as a string
-        ("10" < "2").  A preempted request is simply pushed back: its place is
+        to the earlier arrival time — the trace's ``client_arrival_time`` (vLLM's
+        ``Request.arrival_time``, which need not follow the order requests reach the
+        scheduler), else the order of arrival — then to the request id compared as a
+        string ("10" < "2").  A preempted request is simply pushed back: its place is
         given by the same key, not by when it was preempted.
         """
         heapq.heappush(self._heap, (*priority_key(req), req))

@@ -89,6 +89,7 @@ class Request:
     num_output_placeholders: int = 0  # async scheduling: sampled tokens still in flight (rule ASYNC.PLACEHOLDER)
     skip_prefix_cache: bool = False  # never reads the prefix cache (rule CACHE.SKIP_READ)
     cache_salt: str | None = None  # mixed into the first block's hash (rule CACHE.SALT)
+    tie_time: float = 0.0  # vLLM's arrival_time: client_arrival_time, else arrival_seq (rule QUEUE.PRIORITY)
 
     def __post_init__(self) -> None:
         self._extend_block_hashes()
@@ -263,9 +264,11 @@ def fcfs_victim(running: list[Request]) -> Request:
 @rule("PREEMPT.VICTIM_LOWEST_PRIORITY", knobs=("policy",))
 def priority_victim(running: list[Request]) -> Request:
     """Under "priority" the victim is the running request with the largest
-    (priority, arrival): the least important, then the latest.  It may already be
-    scheduled in this step; its tokens are then given back to the budget."""
-    return max(running, key=lambda r: (r.priority, r.arrival_seq))
+    (priority, arrival time): the least important, then the latest (the trace's
+    ``client_arrival_time`` when given, else the order of arrival; the first in the running
+    list on a tie).  It may already be scheduled in this step; its tokens are then given
+    back to the budget."""
+    return max(running, key=lambda r: (r.priority, r.tie_time))
 
 
 #: Victim rules by id; each entry calls the rule by its module name when it runs, so the
@@ -762,6 +765,7 @@ class SpecEngine:
             arrival_step=self.clock,
             skip_prefix_cache=tr.skip_prefix_cache,
             cache_salt=tr.cache_salt,
+            tie_time=tr.tie_time(len(self.requests) + len(self.rejected)),
             **self._slo_fields(tr),
         )
         self.requests[tr.id] = req

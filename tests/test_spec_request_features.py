@@ -1,5 +1,5 @@
 """Request features vLLM's scheduler sees (issue #15 item 3): ``skip_prefix_cache``,
-``cache_salt`` and ``min_tokens``, hand-worked from vLLM 0.32's code.
+``cache_salt``, ``min_tokens`` and ``client_arrival_time``, hand-worked from vLLM 0.32's code.
 
 Every expected value below was derived by hand from vLLM's source before running
 (``kv_cache_manager.get_computed_blocks``: no lookup when ``skip_reading_prefix_cache``;
@@ -27,8 +27,8 @@ CONFIG = {"profile": "vllm-v1", "num_blocks": 32, "block_size": 4}
 GROUP = {"prompt_len": 10, "max_tokens": 2, "prefix_group": "g", "prefix_len": 8}
 
 
-def _trace(*requests):
-    return Trace(config=dict(CONFIG), requests=[TraceRequest(**r) for r in requests])
+def _trace(*requests, **config):
+    return Trace(config={**CONFIG, **config}, requests=[TraceRequest(**r) for r in requests])
 
 
 def _hits(records):
@@ -68,6 +68,21 @@ def _min_expected():
     tokens = {"a": [syn("a", 0), syn("a", 1), 2], "b": [syn("b", 0), 7, 9, syn("b", 3), syn("b", 4)]}
     finished = {"a": (2, "eos"), "b": (4, "max_tokens")}
     return tokens, finished
+
+
+TIE = ({"id": "x", "arrival_step": 0, "prompt_len": 4, "max_tokens": 3},
+       {"id": "a", "arrival_step": 1, "prompt_len": 4, "max_tokens": 1, "priority": 1, "client_arrival_time": 5.0},
+       {"id": "b", "arrival_step": 1, "prompt_len": 4, "max_tokens": 1, "priority": 1, "client_arrival_time": 2.0},
+       {"id": "c", "arrival_step": 1, "prompt_len": 4, "max_tokens": 1, "priority": 1})
+TIE_CONFIG = {"policy": "priority", "max_num_seqs": 1}
+#: One running slot.  x runs steps 0-2 (3 outputs).  a, b, c tie on priority 1; vLLM's heap
+#: orders them by arrival_time: b 2.0, c 3.0 (no client time: its arrival index 3), a 5.0.
+#: Each finishes in the step it is admitted (one output), so: b at 3, c at 4, a at 5.
+TIE_ADMITTED = {"x": 0, "b": 3, "c": 4, "a": 5}
+
+
+def _admitted(records):
+    return {rid: r.step for r in records for rid in r.new}
 
 
 def _sampled(records):
@@ -113,8 +128,17 @@ def test_min_tokens_masked_replacement_avoids_stop_tokens():
         tr.output_token(0, 32000)  # an engine that forgets the EOS id fails loudly
 
 
+def test_client_arrival_time_breaks_priority_ties():
+    assert _admitted(run(_trace(*TIE, **TIE_CONFIG))) == TIE_ADMITTED
+
+
+def test_without_client_arrival_time_ties_follow_arrival_order():
+    plain = [{k: v for k, v in r.items() if k != "client_arrival_time"} for r in TIE]
+    assert _admitted(run(_trace(*plain, **TIE_CONFIG))) == {"x": 0, "a": 3, "b": 4, "c": 5}
+
+
 def test_features_round_trip_through_json():
-    for r in SKIP + SALT + MIN:
+    for r in SKIP + SALT + MIN + TIE:
         tr = TraceRequest(**{k: tuple(v) if isinstance(v, list) else v for k, v in r.items()})
         assert TraceRequest.from_json(tr.to_json()) == tr
 
@@ -125,6 +149,8 @@ def test_features_round_trip_through_json():
     ("cache_salt", "", ""),
     ("cache_salt", 3, ""),
     ("skip_prefix_cache", "yes", ""),
+    ("client_arrival_time", -1.0, ""),
+    ("client_arrival_time", 2e9, "exceeds the limit"),
 ])
 def test_bad_feature_values_are_refused(tmp_path, field, value, problem):
     path = tmp_path / "t.jsonl"
@@ -138,12 +164,12 @@ def test_bad_feature_values_are_refused(tmp_path, field, value, problem):
 
 # -- the same scenarios on vLLM 0.32's real scheduler --------------------------
 
-def _vllm(*requests):
+def _vllm(*requests, **config):
     from fuzz.replay import EngineUnavailable
     from fuzz.vllm_adapter import VllmEngine
     from spec.protocol import drive
 
-    trace = _trace(*requests)
+    trace = _trace(*requests, **config)
     try:
         engine = VllmEngine(trace)
     except EngineUnavailable as e:
@@ -170,12 +196,17 @@ def test_vllm_min_tokens():
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("scenario", ["skip", "salt", "min"])
+def test_vllm_client_arrival_time():
+    assert _admitted(_vllm(*TIE, **TIE_CONFIG)) == TIE_ADMITTED
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("scenario", ["skip", "salt", "min", "tie"])
 def test_vllm_equals_spec_exactly(scenario):
-    requests = {"skip": SKIP, "salt": SALT, "min": MIN}[scenario]
     from fuzz.diff import first_divergence
 
-    spec, vllm = run(_trace(*requests)), _vllm(*requests)
+    requests, config = {"skip": (SKIP, {}), "salt": (SALT, {}), "min": (MIN, {}), "tie": (TIE, TIE_CONFIG)}[scenario]
+    spec, vllm = run(_trace(*requests, **config)), _vllm(*requests, **config)
     assert first_divergence(spec, vllm, level="exact") is None
 
 
@@ -186,22 +217,30 @@ def test_generator_draws_features_without_changing_other_draws():
     each trace is the one ``random_trace(seed)`` makes, and the features appear."""
     from dataclasses import replace
 
-    from fuzz.generate import random_trace, trace_features
+    from fuzz.generate import REQUEST_FEATURES, random_trace, trace_features
 
     seen = set()
     for seed in range(60):
         plain, drawn = random_trace(seed), random_trace(seed, request_features=True)
         assert drawn.config == plain.config
-        assert [replace(r, skip_prefix_cache=False, cache_salt=None, min_tokens=0) for r in drawn.requests] == plain.requests
+        assert [replace(r, skip_prefix_cache=False, cache_salt=None, min_tokens=0, client_arrival_time=None)
+                for r in drawn.requests] == plain.requests
         assert all(0 <= r.min_tokens <= r.max_tokens for r in drawn.requests)
         assert random_trace(seed, request_features=True).requests == drawn.requests  # deterministic
-        seen |= trace_features(drawn) & {"skip_prefix_cache", "cache_salt", "min_tokens"}
-        assert not trace_features(plain) & {"skip_prefix_cache", "cache_salt", "min_tokens"}
-    assert seen == {"skip_prefix_cache", "cache_salt", "min_tokens"}
+        seen |= trace_features(drawn) & set(REQUEST_FEATURES)
+        assert not trace_features(plain) & set(REQUEST_FEATURES)
+    assert seen == set(REQUEST_FEATURES)
 
 
 def test_generated_feature_traces_run_on_the_spec_with_invariants():
     from fuzz.generate import random_trace
 
+    from invariants.log_checker import check_log
+    from spec.config import resolve
+    from spec.formats import DecisionLog
+
     for seed in range(40):
-        run(random_trace(seed, request_features=True), check_invariants=True)
+        trace = random_trace(seed, request_features=True)
+        log = DecisionLog("spec", "exact", run(trace, check_invariants=True))
+        report = check_log(log, resolve(trace.config), trace)
+        assert report.ok, (seed, report.violations[:3])
