@@ -202,7 +202,7 @@ def triage_report(result: ReplayResult, sig: Signature, name: str, provenance: s
     ) or "- (none recorded)"
     return f"""# Finding `{name}`
 
-**{div.kind}** on field `{div.field}`{f" (request {div.request})" if div.request else ""}; spec rule `{div.rule or "-"}`.
+{_cause_lines(div, sig)}
 Engine `{result.engine}`, compared at the `{result.level}` level. {provenance}
 Finding group: `{"` · `".join(sig)}` — every divergent trace whose shrunk divergence shows this cause counts here
 (`{name}.group.json`: how many, and the size of this example, the smallest so far).
@@ -241,6 +241,17 @@ Replay it (exit 1 while the divergence is there, 0 once fixed):
 {chr(10).join(__import__("json").dumps(r.to_json()) for r in result.trace.requests)}
 ```
 """
+
+
+def _cause_lines(div, sig: Signature) -> str:
+    """The report's header: the group's cause first — the field and rule the finding is grouped and
+    named by (:func:`group_signature`: the cause-first field of the divergent step) — then the raw
+    first divergence the replay met, labelled as such (a wrong victim is grouped as ``preempted`` /
+    ``PREEMPT.VICTIM_NEWEST`` though the first field that differs may be ``scheduled`` / ``RUN.DECODE``)."""
+    kind, field_name, rule = (tuple(sig) + ("-", "-", "-"))[:3]
+    raw = f"**{div.kind}** on field `{div.field}`{f' (request {div.request})' if div.request else ''}; spec rule `{div.rule or '-'}`"
+    cause = f"**{kind}** on field `{field_name}`; spec rule `{rule}` (the group's cause)."
+    return f"{cause}\nFirst raw divergence (the first field that differs in this step): {raw}."
 
 
 def _atomic_text(path: Path, text: str) -> None:

@@ -151,6 +151,27 @@ def test_the_group_signature_names_the_cause_first_field():
     assert C.group_signature(early) == ("decision", "finished", "STOP.LENGTH"), "the engine's stop reason, mapped"
 
 
+def test_the_report_header_states_the_groups_cause_first_then_the_raw_divergence():
+    """Item 7: a report grouped as preempted / PREEMPT.VICTIM_NEWEST leads with that, not with the raw first
+    divergence (scheduled / RUN.DECODE), which follows, labelled as the raw one."""
+    from fuzz.replay import ReplayResult
+
+    reasons = [{"rule": "RUN.DECODE", "request": "A", "text": "decode"},
+               {"rule": "PREEMPT.VICTIM_NEWEST", "request": "B", "text": "newest running"}]
+    spec = [StepRecord(5, scheduled=[("A", 1)], preempted=["B"], reasons=reasons)]
+    eng = [StepRecord(5, scheduled=[("B", 1)], preempted=["A"])]
+    div = Divergence(5, "scheduled", [["A", 1]], [["B", 1]], "A", "RUN.DECODE", "decode", context=reasons)
+    trace = Trace(config={"profile": "vllm-v1"}, requests=[TraceRequest(id="A", prompt_len=4, max_tokens=2),
+                                                           TraceRequest(id="B", prompt_len=4, max_tokens=2)])
+    result = ReplayResult(trace, "e", "decisions", eng, spec, div)
+    sig = C.group_signature(result)
+    report = C.triage_report(result, sig, C.slug(sig))
+    header = report.split("\n")[2:4]
+    assert C.slug(sig) == "decision-preempted-preempt-victim-newest"
+    assert "field `preempted`" in header[0] and "`PREEMPT.VICTIM_NEWEST`" in header[0] and "RUN.DECODE" not in header[0]
+    assert header[1].startswith("First raw divergence") and "field `scheduled`" in header[1] and "`RUN.DECODE`" in header[1]
+
+
 def test_a_campaign_merges_manifestations_of_one_bug_into_one_group(tmp_path, monkeypatch):
     """Outcomes with different raw signatures whose shrunk divergences share a cause are one finding;
     a later raw signature already grouped is counted there without a shrunk example."""
