@@ -7,7 +7,10 @@
 2. **campaign throughput**: a default campaign (``batchspec fuzz``: spec vs gpu_engine,
    every profile, exact level) on one worker, traces per second, and where a trace's
    time goes (``bench_fuzz.measure``: generating, the engine, the spec, the diff);
-3. **sweep time** (``bench_simulator.sweep_timing``): the whole Azure conversation
+3. **time to first report**: campaigns against bugs planted in gpu_engine
+   (``mutation_score.score`` with ``stop_on_finding``; ``--mutants``, default three), the
+   seconds until the first finding was saved;
+4. **sweep time** (``bench_simulator.sweep_timing``): the whole Azure conversation
    sample, ``vllm-v1``, 10 rates, 2 workers, ``--engine gpu`` with its sampled check
    (``--spec-sweep``: also on the spec's decisions, which takes minutes).
 
@@ -34,6 +37,8 @@ import bench_fuzz  # noqa: E402
 import bench_overhead  # noqa: E402
 import bench_simulator  # noqa: E402
 
+MUTANTS = "block_off_by_one,wrong_victim,hash_before_computed"
+
 
 def load() -> str:
     return f"load average {os.getloadavg()[0]:.1f}"
@@ -56,6 +61,8 @@ def main() -> None:
     ap.add_argument("--nano-vllm", default=os.environ.get("NANO_VLLM"), metavar="PATH")
     ap.add_argument("--traces", type=int, default=200, help="traces of the campaign and of the breakdown")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--mutants", default=MUTANTS, help="planted bugs timed to their first report ('' skips)")
+    ap.add_argument("--mutant-seconds", type=float, default=60.0)
     ap.add_argument("--skip-sweep", action="store_true")
     ap.add_argument("--spec-sweep", action="store_true")
     args = ap.parse_args()
@@ -82,8 +89,20 @@ def main() -> None:
               + "".join(f"{100 * t[k] / total:>9.0f}%" for k in ("generate", "engine", "spec", "diff")))
     print(f"gpu_engine step / spec step on these traces: {rows['gpu']['engine'] / rows['spec']['engine']:.2f}x")
 
+    firsts = {}
+    if args.mutants:
+        import mutation_score
+
+        print(f"\n## 3. time to first report, planted bugs, one worker ({load()})")
+        for m in mutation_score.MUTANTS:
+            if m.name in args.mutants.split(","):
+                r = mutation_score.score(m, args.mutant_seconds, 0, stop_on_finding=True)
+                firsts[m.name] = r.get("first")
+                first = f"{r['first']:.1f} s" if r.get("first") is not None else f"not within {args.mutant_seconds:g} s"
+                print(f"{m.name}: first report after {first} ({r['traces']} traces)", flush=True)
+
     if not args.skip_sweep:
-        print(f"\n## 3. sweep time ({load()})")
+        print(f"\n## 4. sweep time ({load()})")
         gpu = bench_simulator.sweep_timing(args.jobs, "gpu")
         if args.spec_sweep:
             spec = bench_simulator.sweep_timing(args.jobs, "spec")
@@ -96,6 +115,8 @@ def main() -> None:
         nano = f", nano-vllm {t['nano']:.3f} ({t['gpu'] / t['nano']:.2f}x)" if "nano" in t else ""
         print(f"overhead at {r} running: gpu_engine {t['gpu']:.3f} ms, spec {t['spec']:.3f}{nano}")
     print(f"campaign: {c['traces'] / c['wall']:.1f} traces/s on one worker")
+    for name, first in firsts.items():
+        print(f"time to first report, {name}: " + (f"{first:.1f} s" if first is not None else "none"))
     if not args.skip_sweep:
         print(f"sweep (--engine gpu): {gpu['wall']:.0f} s wall, {gpu['cpu']:.0f} s CPU")
 
