@@ -64,6 +64,8 @@ REQUEST_FEATURES = {
     "cache_salt": "a request with a cache_salt",
     "min_tokens": "a request with min_tokens > 0",
     "client_arrival_time": "policy priority and a request with client_arrival_time (vLLM's arrival_time: priority ties)",
+    "max_num_active_seqs": "max_num_active_seqs below max_num_seqs and the number of requests",
+    "adaptive_long_prefill": "long_prefill_token_threshold_adaptive with a long-prefill cap",
 }
 
 BLOCK_SIZES = (4, 8, 16)
@@ -344,7 +346,9 @@ def random_trace(seed: int, **options: Any) -> Trace:
     if options.get("slo", _uses_slo(cfg)):
         requests = _draw_slo(random.Random(f"slo:{seed}"), requests)
     if options.get("request_features"):
-        requests = _draw_request_features(random.Random(f"features:{seed}"), requests)
+        feature_rng = random.Random(f"features:{seed}")
+        requests = _draw_request_features(feature_rng, requests)
+        _draw_feature_knobs(feature_rng, cfg, options)
     if "num_blocks" not in options:
         peaks = [_peak_slots(r.prompt_len, r.max_tokens, cfg["max_model_len"]) for r in requests
                  if r.prompt_len < cfg["max_model_len"]] or [1]
@@ -397,6 +401,17 @@ def _draw_request_features(rng: random.Random, requests: list[TraceRequest]) -> 
     return out
 
 
+def _draw_feature_knobs(rng: random.Random, cfg: dict[str, Any], options: dict[str, Any]) -> None:
+    """vLLM 0.32's admission limit below max_num_seqs and its adaptive long-prefill cap
+    (knobs not given in ``options``), from the request features' own generator."""
+    if "max_num_active_seqs" not in options and cfg.get("max_num_seqs_scope", "running") == "running" \
+            and rng.random() < 0.3:
+        cfg["max_num_active_seqs"] = rng.randint(1, min(cfg["max_num_seqs"], 8))
+    if "long_prefill_token_threshold_adaptive" not in options and cfg.get("long_prefill_token_threshold") \
+            and rng.random() < 0.5:
+        cfg["long_prefill_token_threshold_adaptive"] = True
+
+
 def trace_features(trace: Trace, records: Iterable[StepRecord] | None = None) -> set[str]:
     """The feature areas of :data:`FEATURES` that ``trace`` exercises.
 
@@ -410,6 +425,10 @@ def trace_features(trace: Trace, records: Iterable[StepRecord] | None = None) ->
     cap = cfg["long_prefill_token_threshold"]
     if cap:
         tags.add("long_prefill_cap")
+        if cfg["long_prefill_token_threshold_adaptive"]:
+            tags.add("adaptive_long_prefill")
+    if 0 < cfg["max_num_active_seqs"] < min(cfg["max_num_seqs"], len(trace.requests)):
+        tags.add("max_num_active_seqs")
     if not cfg["enable_chunked_prefill"]:
         tags.add("no_chunking")
     if any(r.prompt_len > budget or (cap and r.prompt_len > cap) for r in trace.requests) and cfg["enable_chunked_prefill"]:

@@ -77,6 +77,7 @@ MAPPED_KNOBS = frozenset({
     "num_blocks", "block_size", "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs",
     "max_model_len", "enable_chunked_prefill", "long_prefill_token_threshold", "policy",
     "scheduler_reserve_full_isl", "watermark", "reject_unservable", "max_steps", "async_scheduling",
+    "max_num_active_seqs", "long_prefill_token_threshold_adaptive",
 })
 
 #: Why vLLM 0.32 has only the ``vllm-v1`` value of some of the other knobs.
@@ -210,6 +211,8 @@ def build_scheduler(cfg: SchedulerConfig, vocab_size: int, eos_token_id: int):
             is_encoder_decoder=False,
             enable_chunked_prefill=cfg.enable_chunked_prefill,
             long_prefill_token_threshold=cfg.long_prefill_token_threshold,
+            long_prefill_token_threshold_adaptive=cfg.long_prefill_token_threshold_adaptive,
+            max_num_active_seqs=cfg.max_num_active_seqs or None,  # the spec's 0 is vLLM's None
             policy=cfg.policy,
             scheduler_reserve_full_isl=cfg.scheduler_reserve_full_isl,
             watermark=cfg.watermark,
@@ -247,6 +250,8 @@ def _check_config_kept(cfg: SchedulerConfig, vllm_config) -> None:
         "max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
         "enable_chunked_prefill": sc.enable_chunked_prefill, "policy": sc.policy,
         "long_prefill_token_threshold": sc.long_prefill_token_threshold,
+        "long_prefill_token_threshold_adaptive": sc.long_prefill_token_threshold_adaptive,
+        "max_num_active_seqs": sc.max_num_active_seqs or 0,
         "scheduler_reserve_full_isl": sc.scheduler_reserve_full_isl, "watermark": sc.watermark,
         "block_size": cc.block_size, "enable_prefix_caching": cc.enable_prefix_caching,
         "max_model_len": mc.max_model_len,

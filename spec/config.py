@@ -64,6 +64,10 @@ class SchedulerConfig:
     #: ADMIT.MAX_NUM_SEQS); "step" — requests scheduled in one step, however many run
     #: (nano-vllm, rule BATCH.MAX_NUM_SEQS_PER_STEP).
     max_num_seqs_scope: str = "running"
+    #: Requests admitted into RUNNING at once, below max_num_seqs (vLLM's max_num_active_seqs:
+    #: smaller decode batches without shrinking the model runner); 0 = max_num_seqs
+    #: (rule ADMIT.MAX_NUM_ACTIVE_SEQS).
+    max_num_active_seqs: int = 0
     #: Longest sequence, prompt plus output (rules REJECT.PROMPT_TOO_LONG, STOP.MAX_MODEL_LEN).
     max_model_len: int = 4096
     #: A prompt may be prefilled over several steps (rule ADMIT.NO_CHUNKING).
@@ -71,6 +75,9 @@ class SchedulerConfig:
     #: Per-request cap on tokens in one step when >1 request is eligible; 0 = off
     #: (rule BUDGET.LONG_PREFILL).
     long_prefill_token_threshold: int = 0
+    #: Floor the long-prefill cap at a fair share of the budget, max_num_batched_tokens //
+    #: (running + waiting) (vLLM's long_prefill_token_threshold_adaptive; rule BUDGET.LONG_PREFILL_ADAPTIVE).
+    long_prefill_token_threshold_adaptive: bool = False
     #: Which prefills may be cut by the budget: "any" — every admission may take a partial
     #: chunk, continued by the running phase; "first-continues" — only the first request of
     #: a prefill batch, and a cut prefill continues first in the next step, before any
@@ -359,8 +366,6 @@ VLLM_V1 = Profile(
         "speculative_config": "None: no draft tokens, num_lookahead_tokens = 0",
         "kv_transfer_config / ec_transfer_config": "None: no external hits, kv_holding_waiting is empty",
         "max_num_scheduled_tokens": "= max_num_batched_tokens",
-        "max_num_active_seqs": "= max_num_seqs",
-        "long_prefill_token_threshold_adaptive": "False",
         "prefill_schedule_interval": "1 (no prefill cadence)",
         "prefix_match_unit": "= block_size (no partial-block hits)",
         "hash_block_size": "= block_size",
@@ -599,6 +604,11 @@ def validate(cfg: SchedulerConfig) -> SchedulerConfig:
         raise ConfigError("max_steps", f"exceeds the limit steps={LIMITS['steps']}")
     if cfg.long_prefill_token_threshold < 0:
         raise ConfigError("long_prefill_token_threshold", "must be >= 0")
+    if not 0 <= cfg.max_num_active_seqs <= cfg.max_num_seqs:
+        # vLLM refuses max_num_active_seqs > max_num_seqs too
+        raise ConfigError("max_num_active_seqs", f"must be in [0, max_num_seqs={cfg.max_num_seqs}], got {cfg.max_num_active_seqs}")
+    if cfg.max_num_active_seqs and cfg.max_num_seqs_scope != "running":
+        raise ConfigError("max_num_active_seqs", "needs max_num_seqs_scope=running (it bounds the running requests)")
     if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < cfg.max_model_len:
         # vLLM refuses this too: a prompt longer than the budget could never be admitted.
         raise ConfigError(

@@ -234,6 +234,19 @@ def long_prefill_cap(cfg: SchedulerConfig, num_eligible: int) -> int:
     return cfg.long_prefill_token_threshold if num_eligible > 1 else 0
 
 
+@rule("BUDGET.LONG_PREFILL_ADAPTIVE", knobs=("long_prefill_token_threshold_adaptive", "long_prefill_token_threshold"),
+      applies=lambda grew: grew[1])
+def adaptive_long_prefill_cap(cfg: SchedulerConfig, cap: int, num_eligible: int) -> tuple[int, bool]:
+    """With ``long_prefill_token_threshold_adaptive``, a nonzero long-prefill cap is raised to
+    a fair share of the step's budget, ``max_num_batched_tokens // eligible``: the cap never
+    cuts a request below what an even split of the budget would give it (vLLM 0.32).
+    Returns the cap and whether the floor raised it."""
+    if not (cap > 0 and cfg.long_prefill_token_threshold_adaptive):
+        return cap, False
+    share = cfg.max_num_batched_tokens // num_eligible
+    return max(cap, share), share > cap
+
+
 @rule("BUDGET.TOKENS", knobs=("max_num_batched_tokens", "enable_chunked_prefill"))
 def chunk_size(remaining: int, cap: int, budget: int) -> int:
     """A request is scheduled the tokens it still lacks, cut to the per-request cap
@@ -567,6 +580,14 @@ ADMIT_MAX_SEQS = declare(
     __name__,
     knobs=("max_num_seqs",),
 )
+ADMIT_MAX_ACTIVE = declare(
+    "ADMIT.MAX_NUM_ACTIVE_SEQS",
+    """Admission stops when max_num_active_seqs requests are running, when it is set
+    (below max_num_seqs): vLLM's admission limit into RUNNING, separate from max_num_seqs,
+    which sizes the model runner.  Requests already running are never limited by it.""",
+    __name__,
+    knobs=("max_num_active_seqs",),
+)
 ADMIT_NO_CHUNKING = declare(
     "ADMIT.NO_CHUNKING",
     """With chunked prefill off, a waiting request whose tokens exceed the remaining
@@ -860,7 +881,7 @@ class SpecEngine:
         st = StepState(
             out=SchedulerOutput(),
             budget=self.config.max_num_batched_tokens,
-            cap=long_prefill_cap(self.config, len(self.running) + len(self.waiting)),
+            cap=self._long_prefill_cap(len(self.running) + len(self.waiting)),
             starved=not self.running and (len(self.waiting) > 0 or bool(self.swapped)),
             start={r.request_id: r.num_computed_tokens for r in self.running},
         )
@@ -1102,9 +1123,17 @@ class SpecEngine:
             return True
         return False
 
+    def _long_prefill_cap(self, num_eligible: int) -> int:
+        """BUDGET.LONG_PREFILL, floored by BUDGET.LONG_PREFILL_ADAPTIVE."""
+        return adaptive_long_prefill_cap(self.config, long_prefill_cap(self.config, num_eligible), num_eligible)[0]
+
     def _running_full(self, st: StepState) -> str | None:
-        """ADMIT.MAX_NUM_SEQS: max_num_seqs requests are running."""
-        n = len(self.running)
+        """ADMIT.MAX_NUM_SEQS: max_num_seqs requests are running (ADMIT.MAX_NUM_ACTIVE_SEQS:
+        max_num_active_seqs, when set lower)."""
+        n, active = len(self.running), self.config.max_num_active_seqs
+        if active and n >= active:
+            fired(ADMIT_MAX_ACTIVE)
+            return f"{n} running = max_num_active_seqs"
         return f"{n} running = max_num_seqs" if n >= self.config.max_num_seqs else None
 
     def _step_full(self, st: StepState) -> str | None:

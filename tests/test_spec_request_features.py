@@ -1,5 +1,6 @@
 """Request features vLLM's scheduler sees (issue #15 item 3): ``skip_prefix_cache``,
-``cache_salt``, ``min_tokens`` and ``client_arrival_time``, hand-worked from vLLM 0.32's code.
+``cache_salt``, ``min_tokens``, ``client_arrival_time``, and the knobs
+``max_num_active_seqs`` and ``long_prefill_token_threshold_adaptive``, hand-worked from vLLM 0.32's code.
 
 Every expected value below was derived by hand from vLLM's source before running
 (``kv_cache_manager.get_computed_blocks``: no lookup when ``skip_reading_prefix_cache``;
@@ -81,6 +82,22 @@ TIE_CONFIG = {"policy": "priority", "max_num_seqs": 1}
 TIE_ADMITTED = {"x": 0, "b": 3, "c": 4, "a": 5}
 
 
+ACTIVE = tuple({"id": str(i), "arrival_step": 0, "prompt_len": 4, "max_tokens": 2} for i in range(4))
+ACTIVE_CONFIG = {"max_num_seqs": 4, "max_num_active_seqs": 2}
+#: max_num_seqs 4 would run all four at once; max_num_active_seqs 2 admits two: 0 and 1
+#: prefill at step 0 and finish at step 1 (two outputs), then 2 and 3 at steps 2-3.
+ACTIVE_ADMITTED = {"0": 0, "1": 0, "2": 2, "3": 2}
+
+ADAPTIVE = tuple({"id": str(i), "arrival_step": 0, "prompt_len": 30, "max_tokens": 2} for i in range(3))
+ADAPTIVE_CONFIG = {"max_num_batched_tokens": 32, "max_num_seqs": 16, "long_prefill_token_threshold": 4,
+                   "long_prefill_token_threshold_adaptive": True}
+#: Three requests eligible: the cap 4 is floored at 32 // 3 = 10, so each prefills 10 tokens
+#: a step for three steps (30 of the 32-token budget), then decodes once at step 3.
+ADAPTIVE_SCHEDULED = [[(str(i), 10) for i in range(3)]] * 3 + [[(str(i), 1) for i in range(3)]]
+#: Without the floor the cap is 4: 4 tokens each a step.
+FIXED_CAP_FIRST_STEP = [(str(i), 4) for i in range(3)]
+
+
 def _admitted(records):
     return {rid: r.step for r in records for rid in r.new}
 
@@ -135,6 +152,24 @@ def test_client_arrival_time_breaks_priority_ties():
 def test_without_client_arrival_time_ties_follow_arrival_order():
     plain = [{k: v for k, v in r.items() if k != "client_arrival_time"} for r in TIE]
     assert _admitted(run(_trace(*plain, **TIE_CONFIG))) == {"x": 0, "a": 3, "b": 4, "c": 5}
+
+
+def test_max_num_active_seqs_limits_admission():
+    assert _admitted(run(_trace(*ACTIVE, **ACTIVE_CONFIG))) == ACTIVE_ADMITTED
+    assert _admitted(run(_trace(*ACTIVE, max_num_seqs=4))) == {str(i): 0 for i in range(4)}
+
+
+def test_max_num_active_seqs_above_max_num_seqs_is_refused():
+    from spec.config import ConfigError, resolve
+
+    with pytest.raises(ConfigError, match="max_num_active_seqs"):
+        resolve({**CONFIG, "max_num_seqs": 2, "max_num_active_seqs": 3})
+
+
+def test_adaptive_long_prefill_threshold_floors_the_cap_at_a_fair_share():
+    assert [r.scheduled for r in run(_trace(*ADAPTIVE, **ADAPTIVE_CONFIG))] == ADAPTIVE_SCHEDULED
+    fixed = {**ADAPTIVE_CONFIG, "long_prefill_token_threshold_adaptive": False}
+    assert run(_trace(*ADAPTIVE, **fixed))[0].scheduled == FIXED_CAP_FIRST_STEP
 
 
 def test_features_round_trip_through_json():
@@ -201,11 +236,25 @@ def test_vllm_client_arrival_time():
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("scenario", ["skip", "salt", "min", "tie"])
+def test_vllm_max_num_active_seqs():
+    assert _admitted(_vllm(*ACTIVE, **ACTIVE_CONFIG)) == ACTIVE_ADMITTED
+
+
+@pytest.mark.vllm
+def test_vllm_adaptive_long_prefill_threshold():
+    assert [r.scheduled for r in _vllm(*ADAPTIVE, **ADAPTIVE_CONFIG)] == ADAPTIVE_SCHEDULED
+
+
+SCENARIOS = {"skip": (SKIP, {}), "salt": (SALT, {}), "min": (MIN, {}), "tie": (TIE, TIE_CONFIG),
+             "active": (ACTIVE, ACTIVE_CONFIG), "adaptive": (ADAPTIVE, ADAPTIVE_CONFIG)}
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_vllm_equals_spec_exactly(scenario):
     from fuzz.diff import first_divergence
 
-    requests, config = {"skip": (SKIP, {}), "salt": (SALT, {}), "min": (MIN, {}), "tie": (TIE, TIE_CONFIG)}[scenario]
+    requests, config = SCENARIOS[scenario]
     spec, vllm = run(_trace(*requests, **config)), _vllm(*requests, **config)
     assert first_divergence(spec, vllm, level="exact") is None
 
@@ -222,7 +271,8 @@ def test_generator_draws_features_without_changing_other_draws():
     seen = set()
     for seed in range(60):
         plain, drawn = random_trace(seed), random_trace(seed, request_features=True)
-        assert drawn.config == plain.config
+        new_knobs = {"max_num_active_seqs", "long_prefill_token_threshold_adaptive"}
+        assert {k: v for k, v in drawn.config.items() if k not in new_knobs} == plain.config
         assert [replace(r, skip_prefix_cache=False, cache_salt=None, min_tokens=0, client_arrival_time=None)
                 for r in drawn.requests] == plain.requests
         assert all(0 <= r.min_tokens <= r.max_tokens for r in drawn.requests)
