@@ -37,7 +37,8 @@ from spec.config import SchedulerConfig
 from spec.costmodel import NS_PER_S, CostModel, StepShape
 from spec.formats import FIRST_SYNTHETIC_TOKEN, LIMITS, Trace, TraceRequest
 from spec.protocol import StepLimitError
-from spec.simulate import BatchTracker, RequestTimes, SimResult, StallError, StepSample, arrival_ns
+from spec.simulate import (BatchTracker, RequestTimes, SimResult, StallError, StepSample, arrival_ns, made_progress,
+                           output_time_ns)
 
 ENGINES = ("spec", "gpu")
 CHECKS = ("sampled", "full", "off")
@@ -211,8 +212,10 @@ def make_gpu_engine(trace: Trace, config: SchedulerConfig):
     from gpu_engine import GpuEngine
 
     # the driver reads the batch shape and free blocks from the engine itself (want_shape), except under
-    # swap preemption, where BatchTracker's view of a swapped-in request's start is the reference
-    level = "memory" if config.preemption_mode == "swap" else "decisions"
+    # swap preemption, where BatchTracker's view of a swapped-in request's start is the reference, and
+    # under async scheduling, where a batch's shape counts the tokens in flight (BatchTracker), which
+    # gpu_engine's own shape, taken in synchronous steps only, does not report
+    level = "memory" if config.preemption_mode == "swap" or config.async_scheduling else "decisions"
     engine = GpuEngine(config, trace.vocab_size, trace.eos_token_id, level=level, prompt_cache=_PROMPT_CACHE)
     engine.want_shape = level == "decisions"
     vocab = trace.vocab_size
@@ -324,17 +327,18 @@ def simulate_fast(trace: Trace, cost: CostModel, engine, *, usable_blocks: int |
         result.decode_tokens += shape.decode_seqs
         result.prefill_tokens += shape.prefill_tokens
         itl = result.itl_ns
+        emitted = output_time_ns(record, now, end)  # async: when the step in flight ended
         for rid in record.sampled:
             t = times[rid]
             if t.last_token_ns is None:
-                t.first_token_ns = end
+                t.first_token_ns = emitted
             else:
-                itl.append(end - t.last_token_ns)
-            t.last_token_ns = end
+                itl.append(emitted - t.last_token_ns)
+            t.last_token_ns = emitted
             t.outputs += 1
         for rid, why in record.finished:
             t = times[rid]
-            t.outcome, t.finish_ns = why, end
+            t.outcome, t.finish_ns = why, emitted
             running.pop(rid, None)
         in_system -= len(record.finished)
         result.steps += 1
@@ -348,7 +352,7 @@ def simulate_fast(trace: Trace, cost: CostModel, engine, *, usable_blocks: int |
             result.samples.append(StepSample(record, now, end, shape, parts))
         if on_step is not None:
             on_step(result)
-        if not ran and engine.has_unfinished_requests():
+        if not made_progress(record, ran) and engine.has_unfinished_requests():
             if i >= len(pending):
                 raise StallError(
                     f"step {step}: {in_system} requests unfinished, none scheduled, no arrival left "

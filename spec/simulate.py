@@ -15,6 +15,13 @@ protocol) into a serving simulator by giving every step a duration from a
    ``cost.step_ns(shape)``; a step that scheduled nothing takes no time.
 5. Everything the record reports happens at the step's *end*: sampled tokens
    are emitted, finished requests complete, ``now`` advances to the end.
+   Under async scheduling (a record with ``outputs_step``) the record's
+   ``sampled`` and ``finished`` are those of step ``outputs_step``, the batch
+   that was in flight: a token is emitted when the step that sampled it ends,
+   which is when vLLM's engine core applies it (``step_with_batch_queue``
+   schedules step N+1, then waits for step N's outputs and applies them:
+   rule ASYNC.OUTPUTS_NEXT_STEP) — the *start* of the record's own step, not
+   its end.  See :func:`output_time_ns`.
 
 A request arriving while a step runs waits for the next step boundary (an
 engine's scheduler only looks at its queue between steps).  No wall clock
@@ -116,18 +123,29 @@ class BatchTracker:
     ``start == prompt + outputs - 1`` with at least one output); anything else
     is **prefill** (a prompt chunk, or recomputation after a preemption).  It
     reads ``start + n`` KV tokens.
+
+    Under async scheduling (records with ``outputs_step``) a token is in flight one
+    step before the record that carries it: the newest token is counted from the
+    moment its step is scheduled (an output placeholder, ASYNC.PLACEHOLDER), so a
+    decode computes ``start == prompt + outputs + placeholders - 1``.  A preemption
+    zeroes the placeholders; the stale token still arrives (ASYNC.STALE_OUTPUT).
     """
 
     def __init__(self, requests: Iterable[TraceRequest]):
         self.prompt_len = {r.id: r.prompt_len for r in requests}
         self.computed: dict[str, int] = {}
         self.outputs: dict[str, int] = defaultdict(int)
+        self.placeholders: dict[str, int] = defaultdict(int)  # async: tokens in flight
+        self.stale: dict[str, int] = defaultdict(int)  # async: in-flight tokens of a request preempted since
 
     def shape(self, record: StepRecord) -> tuple[StepShape, list[tuple[str, int, bool]]]:
         """The step's shape, and per scheduled request ``(id, tokens, is_decode)``."""
-        computed, outputs = self.computed, self.outputs
+        computed, outputs, flight = self.computed, self.outputs, self.placeholders
+        asynchronous = record.outputs_step is not None
         for rid in record.preempted:
             computed[rid] = 0
+            if flight[rid]:  # ASYNC.PREEMPT_ZEROES_PLACEHOLDERS: the token still arrives, stale
+                self.stale[rid] += flight.pop(rid)
         hits = record.cache_hits or {}
         for rid in record.new:
             computed[rid] = hits.get(rid, 0)
@@ -137,7 +155,7 @@ class BatchTracker:
         parts = []
         for rid, n in record.scheduled:
             start = computed.get(rid, 0)
-            out = outputs[rid]
+            out = outputs[rid] + (flight[rid] if asynchronous else 0)
             decode = n == 1 and out > 0 and start == self.prompt_len[rid] + out - 1
             if decode:
                 decodes += 1
@@ -145,14 +163,43 @@ class BatchTracker:
                 prefill += n
             kv += start + n
             computed[rid] = start + n
+            if asynchronous and start + n >= self.prompt_len[rid] + out:
+                flight[rid] += 1  # this step samples: its token is in flight until a later record
             parts.append((rid, n, decode))
         for rid in record.sampled:
             outputs[rid] += 1
+            if asynchronous:
+                if self.stale[rid]:
+                    self.stale[rid] -= 1
+                elif flight[rid]:
+                    flight[rid] -= 1
         for rid, _ in record.finished:
             computed.pop(rid, None)
+            flight.pop(rid, None)  # a token still in flight for it is dropped (ASYNC.ABORT_DROPS_OUTPUT)
         for rid in record.aborted:
             computed.pop(rid, None)
+            flight.pop(rid, None)
         return StepShape(prefill, decodes, kv), parts
+
+
+def output_time_ns(record: StepRecord, start_ns: int, end_ns: int) -> int:
+    """When the tokens and finishes a record reports happen on the simulated clock.
+
+    Synchronous scheduling: at the end of the record's step, whose batch sampled them.
+    Async scheduling (``outputs_step`` set): they are the outputs of the step before,
+    which ended when this record's step started; vLLM's engine core schedules step N+1
+    and then applies step N's outputs as soon as they are ready (ASYNC.OUTPUTS_NEXT_STEP),
+    so a token is emitted at ``start_ns`` — when the step that sampled it ended — not
+    one step later.  Timing it at the record's end would charge every token the
+    duration of the next batch as well."""
+    return start_ns if record.outputs_step is not None else end_ns
+
+
+def made_progress(record: StepRecord, ran: bool) -> bool:
+    """Whether a step did anything: scheduled a batch, or (async) applied the outputs of the
+    batch in flight — a step that only applies them schedules nothing yet frees memory and
+    finishes requests, so it is no stall."""
+    return ran or bool(record.sampled) or bool(record.finished)
 
 
 def arrival_ns(request: TraceRequest) -> int:
@@ -239,17 +286,18 @@ def simulate(
         result.decode_tokens += shape.decode_seqs
         result.prefill_tokens += shape.prefill_tokens
         itl = result.itl_ns
+        emitted = output_time_ns(record, now, end)
         for rid in record.sampled:
             t = times[rid]
             if t.last_token_ns is None:
-                t.first_token_ns = end
+                t.first_token_ns = emitted
             else:
-                itl.append(end - t.last_token_ns)
-            t.last_token_ns = end
+                itl.append(emitted - t.last_token_ns)
+            t.last_token_ns = emitted
             t.outputs += 1
         for rid, why in record.finished:
             t = times[rid]
-            t.outcome, t.finish_ns = why, end
+            t.outcome, t.finish_ns = why, emitted
             running.discard(rid)
         in_system -= len(record.finished)
         result.steps += 1
@@ -263,7 +311,7 @@ def simulate(
             result.samples.append(StepSample(record, now, end, shape, parts))
         if on_step is not None:
             on_step(result)
-        if not parts and engine.has_unfinished_requests():
+        if not made_progress(record, bool(parts)) and engine.has_unfinished_requests():
             if i >= len(pending):
                 raise StallError(
                     f"step {step}: {in_system} requests unfinished, none scheduled, no arrival left "
