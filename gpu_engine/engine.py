@@ -60,6 +60,19 @@ SUPPORTED: dict[str, frozenset | None] = {
     "async_scheduling": frozenset({False, True}),  # True: scheduler-only mode (no model)
 }
 
+#: Request fields of the trace format gpu_engine does not implement yet (issue 15 item 3),
+#: with the value that means "not used"; a request that sets one is refused, naming it.
+UNSUPPORTED_REQUEST_FIELDS = {"skip_prefix_cache": False, "cache_salt": None, "min_tokens": 0,
+                              "client_arrival_time": None}
+
+
+def check_request_supported(request: TraceRequest) -> None:
+    """Raise ``ValueError`` naming the first request field gpu_engine does not implement."""
+    for name, unused in UNSUPPORTED_REQUEST_FIELDS.items():
+        if getattr(request, name) != unused:
+            raise ValueError(f"gpu_engine does not implement the request field {name} "
+                             f"(request {request.id!r}: {name}={getattr(request, name)!r})")
+
 
 def check_supported(config: SchedulerConfig) -> None:
     """Raise ``ValueError`` naming the first knob value gpu_engine does not implement."""
@@ -137,6 +150,8 @@ class GpuEngine:
 
     @classmethod
     def from_trace(cls, trace: Trace, **kw) -> "GpuEngine":
+        for request in trace.requests:  # refuse the whole trace up front, before any step
+            check_request_supported(request)
         return cls(resolve(trace.config), trace.vocab_size, trace.eos_token_id, **kw)
 
     # -- protocol ------------------------------------------------------------
@@ -145,6 +160,7 @@ class GpuEngine:
         s = self.sched
         if request.id in s.seen:
             raise ValueError(f"duplicate request id {request.id!r}")
+        check_request_supported(request)
         s.seen.add(request.id)
         why = s.rejection(request)
         if why is not None:

@@ -294,3 +294,28 @@ def test_generated_feature_traces_run_on_the_spec_with_invariants():
         log = DecisionLog("spec", "exact", run(trace, check_invariants=True))
         report = check_log(log, resolve(trace.config), trace)
         assert report.ok, (seed, report.violations[:3])
+
+
+# -- gpu_engine: refuses what it does not implement yet --------------------------
+
+@pytest.mark.parametrize("field,value", [("skip_prefix_cache", True), ("cache_salt", "x"), ("min_tokens", 1),
+                                         ("client_arrival_time", 0.5)])
+def test_gpu_engine_refuses_request_fields_it_does_not_implement(field, value):
+    from gpu_engine.engine import GpuEngine
+
+    trace = _trace({"id": "a", "arrival_step": 0, "prompt_len": 4, "max_tokens": 2, field: value})
+    with pytest.raises(ValueError, match=f"does not implement the request field {field} "):
+        GpuEngine.from_trace(trace)
+    engine = GpuEngine.from_trace(_trace())
+    with pytest.raises(ValueError, match=field):
+        engine.add_request(trace.requests[0])
+
+
+@pytest.mark.parametrize("knob,value", [("max_num_active_seqs", 2), ("long_prefill_token_threshold_adaptive", True)])
+def test_gpu_engine_refuses_the_new_knobs_and_its_capabilities_exclude_them(knob, value):
+    from fuzz.capabilities import for_engine
+    from gpu_engine.engine import GpuEngine
+
+    with pytest.raises(ValueError, match=knob):
+        GpuEngine.from_trace(_trace(**{"max_num_seqs": 4, "long_prefill_token_threshold": 4, knob: value}))
+    assert not for_engine("gpu", None).allows(knob, value)
