@@ -263,9 +263,10 @@ def _atomic_text(path: Path, text: str) -> None:
 
 
 #: The decision fields of a step in cause-first order: a request preempted (or rejected, aborted,
-#: finished) differently also runs differently in that step, so the grouping names the first.
-CAUSE_ORDER = ("rejected", "aborted", "preempted", "swapped_out", "swapped_in", "finished", "new", "resumed",
-               "scheduled", "sampled")
+#: admitted) differently also runs differently in that step, so the grouping names the first; a
+#: request that runs differently may finish differently in it, so ``finished`` comes after ``scheduled``.
+CAUSE_ORDER = ("rejected", "aborted", "preempted", "swapped_out", "swapped_in", "new", "resumed", "scheduled",
+               "finished", "sampled")
 
 
 def group_signature(result: ReplayResult) -> Signature:
