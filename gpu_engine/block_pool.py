@@ -124,8 +124,13 @@ class FreeQueue:
 class BlockPool:
     """Ref counts, block hashes, the free queue and the prefix-cache map."""
 
-    def __init__(self, be: Backend, num_blocks: int, null_block: bool, caching: bool):
+    def __init__(self, be: Backend, num_blocks: int, null_block: bool, caching: bool,
+                 free_to_tail: bool = False, latest_wins: bool = False):
         self.be, self.caching = be, caching
+        #: free_block_order="tail": every freed block re-enters at the tail (FIFO re-use, nano-vllm)
+        self.free_to_tail = free_to_tail
+        #: cache_duplicates="latest": a hash maps to the block registered last (nano-vllm's dict)
+        self.latest_wins = latest_wins
         self.num_blocks = num_blocks
         self.ref_cnt_t = be.tensor((num_blocks,), 0)
         self.block_hash_t = be.tensor((num_blocks,), -1)  # -1: not a cached block
@@ -142,7 +147,11 @@ class BlockPool:
 
     def num_free_uncached(self) -> int:
         """Free blocks without a hash.  They always precede the cached ones in the
-        queue (unhashed blocks only ever enter at the head, cached ones at the tail)."""
+        queue (unhashed blocks only ever enter at the head, cached ones at the tail).
+        Not so when freed blocks all go to the tail, or when a replaced duplicate loses
+        its hash inside the queue: then 0, the safe bound (any pop may evict)."""
+        if self.free_to_tail or self.latest_wins:
+            return 0
         queued_cached = (self.block_hash >= 0) & (self.queue.pos >= 0)
         return self.num_free - xp.total(queued_cached)
 
@@ -159,7 +168,11 @@ class BlockPool:
         return out
 
     def register(self, blocks: list[int], hashes: list[int]) -> None:
-        """Cache full blocks at allocation (no de-duplication: a hash may map to several)."""
+        """Cache full blocks (no de-duplication: a hash may map to several; under
+        ``latest_wins`` the new block replaces them instead)."""
+        if self.latest_wins:
+            self._register_latest(blocks, hashes)
+            return
         self.block_hash[self.be.asarray(blocks)] = self.be.asarray(hashes)
         cached = self.cached
         for b, h in zip(blocks, hashes):
@@ -168,6 +181,17 @@ class BlockPool:
                 cached[h] = {b: None}
             else:
                 same[b] = None
+
+    def _register_latest(self, blocks: list[int], hashes: list[int]) -> None:
+        """CACHE.LATEST_WINS: in order, each block takes its hash over from the blocks that
+        carried it, which lose theirs (no longer hit-able; popping one evicts nothing)."""
+        cached = self.cached
+        for b, h in zip(blocks, hashes):
+            old = cached.get(h)
+            if old:
+                self.block_hash[self.be.asarray(list(old))] = -1
+            cached[h] = {b: None}
+            self.block_hash[b] = h
 
     # -- queue operations --
     def pop(self, k: int) -> Array:
@@ -209,6 +233,9 @@ class BlockPool:
         last = self._last[seq] == idx
         zero = self.ref_cnt[seq] == 0
         hashed = self.block_hash[seq] >= 0  # never set when caching is off
+        if self.free_to_tail:  # KV.FREE_TO_TAIL: each block at its last occurrence, in order
+            self.queue.append(seq[xp.nonzero(last & zero)])
+            return
         head, tail = free_order(groups, last, zero, hashed)
         self.queue.prepend(seq[head])
         self.queue.append(seq[tail])

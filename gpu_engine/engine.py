@@ -53,8 +53,15 @@ SUPPORTED: dict[str, frozenset | None] = {
     "retract_decode_steps": None, "clip_max_new_tokens": None,
     "admission": frozenset({"budget", "estimate"}),
     "batching": frozenset({"continuous", "prefill-first", "static"}),
-    "policy": frozenset({"fcfs", "priority", "spf", "vtc"}),
-    "kv_reservation": frozenset({"step", "full"}),
+    "policy": frozenset({"fcfs", "priority", "spf", "vtc", "sprpt"}),  # sprpt: issue 19 (edf not yet)
+    "slo_step_s": None,  # read only by the SLO rules: edf's are refused, sprpt ignores it
+    "kv_reservation": frozenset({"step", "full", "sequence"}),
+    # nano-vllm's (issue 16 item 5)
+    "free_block_order": frozenset({"cached-last", "tail"}),
+    "cache_register": frozenset({"allocation", "computed"}),
+    "cache_duplicates": frozenset({"first", "latest"}),
+    "max_num_seqs_scope": frozenset({"running", "step"}),
+    "prefill_chunking": frozenset({"any", "first-continues"}),
     "preemption_mode": frozenset({"recompute", "swap"}),
     "priority_self_preempt": frozenset({"stop", "continue"}),
     "async_scheduling": frozenset({False, True}),  # True: scheduler-only mode (no model)
@@ -76,6 +83,8 @@ def check_request_supported(request: TraceRequest) -> None:
 
 def check_supported(config: SchedulerConfig) -> None:
     """Raise ``ValueError`` naming the first knob value gpu_engine does not implement."""
+    if config.policy == "sprpt" and config.async_scheduling:  # an in-flight token would change a waiting key
+        raise ValueError("gpu_engine does not implement policy='sprpt' with async_scheduling=True")
     default = type(config)()
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)

@@ -19,9 +19,15 @@ State (one row per request slot, capacity grows by doubling)
 
 The knobs (``spec.config.SchedulerConfig``) it implements are listed in
 :data:`gpu_engine.engine.SUPPORTED`: phase order ``batching`` (continuous,
-prefill-first, static), ``kv_reservation`` (step, full), ``policy`` (fcfs,
+prefill-first, static), ``kv_reservation`` (step, full, sequence), ``policy`` (fcfs,
 priority, spf, vtc) with ``aging_steps``, ``preemption_mode`` (recompute, swap to
-a counted CPU pool), ``admission`` (budget, SGLang's estimate with retraction).
+a counted CPU pool), ``admission`` (budget, SGLang's estimate with retraction), and
+nano-vllm's: ``prefill_chunking`` ("first-continues": the prefills the last step cut,
+kept in ``cut``, continue before any admission, and only a batch's first admission may
+be cut), ``max_num_seqs_scope`` ("step": :meth:`Scheduler._room` and the running walk
+count the step's batch), ``cache_register`` ("computed": blocks are registered in
+:meth:`Scheduler.update`, after the step), ``free_block_order`` ("tail") and
+``cache_duplicates`` ("latest") in :class:`~gpu_engine.block_pool.BlockPool`.
 
 A step is a bounded number of array ops plus short host loops only over rare
 events (one iteration per preemption point, per prefix-cache conflict round,
@@ -89,7 +95,16 @@ class Scheduler:
         self.be = Backend(device, use_numpy)
         self.bs = c.block_size
         self.caching = c.enable_prefix_caching
-        self.pool = BlockPool(self.be, c.num_blocks, c.null_block, c.enable_prefix_caching)
+        self.pool = BlockPool(self.be, c.num_blocks, c.null_block, c.enable_prefix_caching,
+                              free_to_tail=c.free_block_order == "tail", latest_wins=c.cache_duplicates == "latest")
+        # nano-vllm's knobs: blocks enter the cache after the step that computed them
+        # (CACHE.REGISTER_WHEN_COMPUTED), max_num_seqs bounds a step's batch (BATCH.MAX_NUM_SEQS_PER_STEP),
+        # only a prefill batch's first request may be cut and a cut prefill continues first
+        # (ADMIT.CHUNK_ONLY_FIRST, RUN.CONTINUE_PREFILL_FIRST)
+        self.register_computed = c.cache_register == "computed"
+        self.step_scope = c.max_num_seqs_scope == "step"
+        self.first_continues = c.prefill_chunking == "first-continues"
+        self.cut: list[tuple[int, str]] = []  # (slot, request id) of the prefills the last step cut
         self.watermark_blocks = c.watermark_blocks
         self.capacity, self.token_width, self.block_width, self.stop_width = 0, 0, 0, 0
         self.t: dict[str, object] = {}
@@ -108,7 +123,7 @@ class Scheduler:
         self.head_key = -1  # FCFS: next key for a prepended victim (decreasing)
         self.tail_key = 0  # FCFS: next key for an arrival (increasing)
         self.clock = 0  # steps executed so far (the engine advances it): ages for QUEUE.AGING
-        self.keyed = c.policy in ("priority", "spf")  # queue order by (base key, arrival), not by insertion
+        self.keyed = c.policy in ("priority", "spf", "sprpt")  # queue order by (base key, arrival), not by insertion
         self.tc = TenantCounters(c) if c.policy == "vtc" else None  # VTC counters (host side)
         self.estimate = c.admission == "estimate"  # SGLang: new_token_ratio admission + retraction
         self.ratio = c.new_token_ratio_init
@@ -233,11 +248,10 @@ class Scheduler:
         return chain
 
     def _enqueue(self, s: int, front: bool, arrival: bool = False) -> None:
-        """Waiting queue insert: FCFS tail (arrival) or head (victim); priority / spf by
-        key (base key = the priority number, or the prompt length under "spf")."""
+        """Waiting queue insert: FCFS tail (arrival) or head (victim); priority / spf / sprpt by
+        key (:meth:`_base_key`, then arrival)."""
         if self.keyed:
-            base = self.prompt_len[s] if self.config.policy == "spf" else self.priority[s]
-            key = int(base) * PRIORITY_SHIFT + int(self.arrival[s])
+            key = self._base_key(s) * PRIORITY_SHIFT + int(self.arrival[s])
         elif front:
             key, self.head_key = self.head_key, self.head_key - 1
         else:
@@ -246,6 +260,21 @@ class Scheduler:
         self.num_waiting += 1
         if self.tc is not None:  # an arrival may lift its tenant's counter; a victim does not
             (self.tc.arrive if arrival else self.tc.requeue)(int(self.tenant[s]))
+
+    def _base_key(self, s: int) -> int:
+        """A waiting slot's queue key before aging: the priority number; the prompt length
+        under "spf"; under "sprpt" (issue 19) the output it is still predicted to produce,
+        ``max(min(predicted, max_tokens) - outputs, 0)`` with predicted = the request's
+        ``predicted_output_len``, else ``max_tokens``.  A waiting request's outputs do not
+        change (async scheduling is refused with sprpt), so the key is fixed at insertion."""
+        policy = self.config.policy
+        if policy == "spf":
+            return int(self.prompt_len[s])
+        if policy == "sprpt":
+            cap = int(self.max_tokens[s])
+            guess = self.sources[s].predicted_output_len
+            return max((cap if guess is None else min(guess, cap)) - int(self.num_output_tokens[s]), 0)
+        return int(self.priority[s])
 
     def abort(self, request_id: str) -> bool:
         """Remove a waiting or running request and free its blocks at once."""
@@ -362,6 +391,18 @@ class Scheduler:
             for s, a, b in zip(xp.to_list(ts), xp.to_list(lo), xp.to_list(hi)):
                 self.registered.setdefault(self.ids[s], []).extend(range(a, b))
 
+    def _cache_allocated(self, slots: Array, upto_tokens: Array) -> None:
+        """CACHE.REGISTER_AT_ALLOCATION: an allocation's newly full blocks enter the cache at
+        once; under cache_register="computed" they wait for :meth:`_cache_computed`."""
+        if not self.register_computed:
+            self._cache_blocks(slots, upto_tokens)
+
+    def _cache_computed(self, batch: Batch) -> None:
+        """CACHE.REGISTER_WHEN_COMPUTED: after the step, each request of the batch (batch
+        order) registers every block full of computed tokens, before finished requests free."""
+        if self.register_computed and len(batch.slots):
+            self._cache_blocks(batch.slots, self.num_computed_tokens[batch.slots])
+
     def _preempt(self, victims: Array, batch: Batch) -> None:
         """Preempt victims in order: free their GPU tables (all at once, in order), then
         SWAP.OUT those the CPU pool still has room for (``cdiv(computed, bs)`` CPU
@@ -419,21 +460,23 @@ class Scheduler:
         budget = c.max_num_batched_tokens
         empty = self.be.empty_int()
         batch = Batch(empty, empty, empty, empty)
-        slots1 = n1 = slots_in = n_in = slots2 = n2 = empty
+        slots1 = n1 = slots_in = n_in = slots_c = n_c = slots2 = n2 = empty
         starved = not len(self.running) and (self.num_waiting > 0 or self.num_swapped > 0)
+        if self.first_continues:  # RUN.CONTINUE_PREFILL_FIRST: before any admission
+            slots_c, n_c, budget = self._continue_prefill(budget, cap)
         if c.batching == "prefill-first" and self.num_waiting and not self.num_swapped:
-            slots2, n2, budget = self._schedule_waiting(batch, budget, cap)
-        if not len(slots2):
+            slots2, n2, budget = self._schedule_waiting(batch, budget, cap, len(slots_c))
+        if not len(slots2) and not len(slots_c):  # (a step that continued a prefill is a prefill batch)
             if len(self.running):
                 slots1, n1, budget = self._running_phase(batch, budget, cap)
                 if self.estimate:
                     self._next_ratio(bool(batch.preempted))
             if self.num_swapped and not batch.preempted:
-                slots_in, n_in, budget = self._schedule_swapped(batch, budget, cap)
+                slots_in, n_in, budget = self._schedule_swapped(batch, budget, cap, len(slots1))
             admit = not (c.batching == "prefill-first" or (c.batching == "static" and not starved)
                          or (batch.preempted and not c.admit_after_preempt) or self.num_swapped)
             if admit and self.num_waiting:
-                slots2, n2, budget = self._schedule_waiting(batch, budget, cap)
+                slots2, n2, budget = self._schedule_waiting(batch, budget, cap, len(slots1) + len(slots_in))
         fast, self._steady_batch = self._steady_batch, None
         if fast is not None and not len(slots_in) and not len(slots2):  # the steady batch alone
             ntok, start, samples = fast
@@ -441,7 +484,7 @@ class Scheduler:
             self.num_computed_tokens[slots] = ntok
             batch.all_sample = True
         else:
-            slots, n = self.be.cat([slots1, slots_in, slots2]), self.be.cat([n1, n_in, n2])
+            slots, n = self.be.cat([slots1, slots_in, slots_c, slots2]), self.be.cat([n1, n_in, n_c, n2])
             start = self.num_computed_tokens[slots]
             done = start + n
             self.num_computed_tokens[slots] = done
@@ -450,9 +493,44 @@ class Scheduler:
             if self.asynchronous:  # each sampled token is in flight until the next step applies it
                 self.placeholders[slots[samples]] += 1
         batch.slots, batch.num_scheduled, batch.start, batch.samples = slots, n, start, samples
+        if self.first_continues and not batch.all_sample:  # continued first in the next step
+            self.cut = [(s, self.ids[s]) for s in xp.to_list(slots[~samples])]
         self.steady = (batch.all_sample and not batch.preempted and len(slots) == len(self.running)
                        and not self.asynchronous)  # (the steady closed form assumes known tokens)
         return batch
+
+    def _room(self, scheduled: int) -> int:
+        """How many more requests may join this step's batch: max_num_seqs minus the running
+        requests (ADMIT.MAX_NUM_SEQS), or minus the ``scheduled`` ones already in the batch
+        under max_num_seqs_scope="step" (BATCH.MAX_NUM_SEQS_PER_STEP)."""
+        return self.config.max_num_seqs - (scheduled if self.step_scope else len(self.running))
+
+    def _continue_prefill(self, budget: int, cap: int):
+        """RUN.CONTINUE_PREFILL_FIRST: the prefills the last step cut (still running), in that
+        step's batch order, each the tokens it still lacks cut to the cap and to the budget
+        left, ``n_j = min(capT(rest_j), max(B - excl(capT(rest))_j, 0))`` (0 once it is spent).
+        Their blocks were reserved at admission (ADMIT.RESERVE_SEQUENCE); otherwise each
+        allocates its chunk's blocks if the free queue has them (nothing happens if not)."""
+        c, be = self.config, self.be
+        live = [s for s, rid in self.cut if self.ids[s] == rid and int(self.status[s]) == RUNNING]
+        self.cut = []
+        if not live:
+            empty = be.empty_int()
+            return empty, empty, budget
+        slots = be.asarray(live)
+        comp, ntok = self.num_computed_tokens[slots], self.num_tokens[slots]
+        rest = ntok - comp
+        want = xp.minimum(rest, cap) if cap > 0 else rest
+        n = xp.minimum(want, xp.maximum(budget - xp.exclusive_cumsum(want), 0))
+        need = F.block_demand(comp, n, self.num_blocks[slots], self.bs, c.max_model_len)
+        for j, k in enumerate(xp.to_list(need)):  # (one or two requests: a host loop)
+            if k > self.pool.num_free:
+                continue  # KV.NO_FREE_BLOCKS: this allocation changes nothing
+            one = slots[j:j + 1]
+            if k:
+                self._allocate(one, need[j:j + 1])
+            self._cache_allocated(one, xp.minimum(comp[j:j + 1] + n[j:j + 1], ntok[j:j + 1]))
+        return slots, n, budget - xp.total(n)
 
     def _next_ratio(self, retracted: bool) -> None:
         """ESTIMATE.RATIO after a running phase: linear decay to the floor, or, after a
@@ -487,11 +565,12 @@ class Scheduler:
         left = np.maximum(h(self.max_tokens[slots]) - h(self.num_output_tokens[slots]), 0)
         return np.minimum(left, self.config.clip_max_new_tokens)
 
-    def _schedule_swapped(self, batch: Batch, budget: int, cap: int):
+    def _schedule_swapped(self, batch: Batch, budget: int, cap: int, scheduled: int = 0):
         """SWAP.IN: the swapped queue's head prefix that fits (:func:`formulas.swap_in`)
-        rejoins the running list's tail, computing its next chunk in this step."""
+        rejoins the running list's tail, computing its next chunk in this step
+        (``scheduled``: requests already in this step's batch)."""
         c = self.config
-        width = min(self.num_swapped, c.max_num_seqs - len(self.running))
+        width = min(self.num_swapped, self._room(scheduled))
         empty = self.be.empty_int()
         if width <= 0 or budget <= 0:
             return empty, empty, budget
@@ -505,7 +584,7 @@ class Scheduler:
             return empty, empty, budget
         adm, n, comp = cand[:count], n[:count], comp[:count]
         self._allocate(adm, need[:count])
-        self._cache_blocks(adm, xp.minimum(xp.minimum(comp, c.max_model_len) + n, ntok[:count]))
+        self._cache_allocated(adm, xp.minimum(xp.minimum(comp, c.max_model_len) + n, ntok[:count]))
         self.status[adm] = RUNNING
         self.swap_key[adm] = INF_KEY
         self.cpu_free += xp.total(self.cpu_blocks[adm])
@@ -567,13 +646,15 @@ class Scheduler:
         """Phase 1 in segments: each segment is the closed form up to the next failed
         allocation; a failure is one preemption event (the only Python loop)."""
         c = self.config
-        if self.steady and len(self.running) <= budget:
+        limit = c.max_num_seqs if self.step_scope else None  # BATCH.MAX_NUM_SEQS_PER_STEP
+        if self.steady and len(self.running) <= budget and (limit is None or len(self.running) <= limit):
             fast = self._decode_all(budget)
             if fast is not None:
                 return fast
         run, i = self.running, 0
         seg_slots, seg_n, unscheduled = [], [], []
-        while i < len(run) and budget > 0:
+        num_scheduled = 0
+        while i < len(run) and budget > 0 and (limit is None or num_scheduled < limit):
             seg = run[i:]
             comp = self.num_computed_tokens[seg]
             ntok = self.num_tokens[seg]
@@ -582,16 +663,19 @@ class Scheduler:
             else:
                 demand = F.token_demand(ntok, comp, cap, c.max_model_len)
             n, reached = F.grant_tokens(demand, budget)
+            if limit is not None:  # reached while fewer than max_num_seqs were scheduled (a prefix too)
+                reached = reached & (xp.exclusive_cumsum((n > 0) * 1) < limit - num_scheduled)
             k = xp.total(reached)  # reached is a prefix
             need = F.block_demand(comp[:k], n[:k], self.num_blocks[seg[:k]], self.bs, c.max_model_len)
             f = F.first_overflow(need, self.pool.num_free)
             take = xp.nonzero(n[:f] > 0)
             ts, tn = seg[take], n[take]
             self._allocate(ts, need[take])
-            self._cache_blocks(ts, xp.minimum(comp[take] + tn, ntok[take]))
+            self._cache_allocated(ts, xp.minimum(comp[take] + tn, ntok[take]))
             seg_slots.append(ts)
             seg_n.append(tn)
             budget -= xp.total(tn)
+            num_scheduled += len(ts)
             if f == k:
                 break
             # -- preemption event at run[i + f] --
@@ -608,6 +692,7 @@ class Scheduler:
                     if xp.any_true(hit):
                         budget += xp.total(sn[hit])
                         unscheduled += xp.to_list(ss[hit])
+                        num_scheduled -= xp.total(hit * 1)
             shift = int((vpos < p).sum())
             self._preempt(victims, batch)
             batch.preempted += [self.ids[v] for v in xp.to_list(victims)]
@@ -619,10 +704,11 @@ class Scheduler:
                 break
             one = self.be.asarray([r])
             self._allocate(one, self.be.asarray([dr]))
-            self._cache_blocks(one, xp.minimum(comp[f:f + 1] + nr, ntok[f:f + 1]))
+            self._cache_allocated(one, xp.minimum(comp[f:f + 1] + nr, ntok[f:f + 1]))
             seg_slots.append(one)
             seg_n.append(self.be.asarray([nr]))
             budget -= nr
+            num_scheduled += 1
             i += 1
         self.running = run
         return self.be.cat(seg_slots), self.be.cat(seg_n), budget, unscheduled
@@ -655,7 +741,7 @@ class Scheduler:
             if total > self.pool.num_free:
                 return None
             self._allocate(run[grow], need, total)
-        self._cache_blocks(run, ntok)
+        self._cache_allocated(run, ntok)
         self._steady_batch = (ntok, comp, all_true)
         return run, ones, budget - len(run), []
 
@@ -669,11 +755,13 @@ class Scheduler:
             got = self._ones[n] = (ones, true)
         return got
 
-    def _schedule_waiting(self, batch: Batch, budget: int, cap: int):
+    def _schedule_waiting(self, batch: Batch, budget: int, cap: int, scheduled: int = 0):
         """Phase 2 in rounds: a window of queue heads, their prefix hits looked up on
         the host, then :func:`formulas.admission`.  A window is cut before the first
         candidate whose hits an earlier admission in the same window could change
-        (see :meth:`_lookup_window`); the next round looks it up again."""
+        (see :meth:`_lookup_window`); the next round looks it up again.
+        ``scheduled``: requests already in this step's batch (:meth:`_room`,
+        ADMIT.CHUNK_ONLY_FIRST)."""
         c = self.config
         out_slots, out_n = [], []
         rem = None
@@ -681,7 +769,7 @@ class Scheduler:
             held = (self.ratio * self._remaining_output(self.running)).astype(np.float64)
             rem = self.pool.num_free * self.bs - (float(np.add.accumulate(held)[-1]) if len(held) else 0)
         window = 8
-        while budget > 0 and self.num_waiting > 0 and len(self.running) < c.max_num_seqs:
+        while budget > 0 and self.num_waiting > 0 and self._room(scheduled) > 0:
             if self.tc is not None:  # VTC: one admission per round, each charge moves the pick
                 keys = xp.where(self.tenant == self.tc.pick(), self.queue_key, INF_KEY)
                 cand = xp.smallest_k(keys, 1)
@@ -690,7 +778,7 @@ class Scheduler:
                 # fails, so looking up the hits of a long queue's whole head is mostly wasted when
                 # the budget admits a few long prompts; more rounds change no decision (each starts
                 # from the state the last one left, as the cut at a conflict already does)
-                width = min(self.num_waiting, c.max_num_seqs - len(self.running), budget, window)
+                width = min(self.num_waiting, self._room(scheduled), budget, window)
                 window *= 2
                 cand = xp.smallest_k(self._queue_keys(), width)
             ntok = self.num_tokens[cand]
@@ -710,18 +798,33 @@ class Scheduler:
                 ok, before = self._estimate_ok(ntok - nhit * self.bs, cand, rem)
                 count = min(count, xp.first_true(~ok))
                 rem = float(before[count])
+            if self.first_continues:
+                count = min(count, self._first_cut_only(ntok - nhit * self.bs, budget, cap, scheduled))
             if count:
                 self._admit(batch, cand[:count], ntok[:count], n[:count], need[:count], hits, nhit[:count], evictable[:count])
                 out_slots.append(cand[:count])
                 out_n.append(n[:count])
                 budget -= xp.total(n[:count])
+                scheduled += count
             if count < len(cand) or count == 0:
                 break
         return self.be.cat(out_slots), self.be.cat(out_n), budget
 
+    def _first_cut_only(self, rest: Array, budget: int, cap: int, scheduled: int) -> int:
+        """ADMIT.CHUNK_ONLY_FIRST: the window's candidates before the first one that is not the
+        batch's first (``scheduled + j > 0``) and whose tokens after its hit (``rest_j``, uncapped)
+        exceed the budget left if all before it were admitted, ``max(B - excl(capT(rest))_j, 0)``."""
+        want = xp.minimum(rest, cap) if cap > 0 else rest
+        left = xp.maximum(budget - xp.exclusive_cumsum(want), 0)
+        behind = self.be.arange(len(rest)) + scheduled > 0
+        return xp.first_true(behind & (rest > left))
+
     def _reservation(self, slots: Array) -> Array | None:
         """ADMIT.RESERVE_FULL: slots reserved to completion at admission,
-        ``min(prompt + max_tokens - 1, L - 1)`` (None under kv_reservation="step")."""
+        ``min(prompt + max_tokens - 1, L - 1)``; ADMIT.RESERVE_SEQUENCE: the whole current
+        sequence, ``num_tokens`` (None under kv_reservation="step")."""
+        if self.config.kv_reservation == "sequence":
+            return self.num_tokens[slots]
         if self.config.kv_reservation != "full":
             return None
         return xp.minimum(self.prompt_len[slots] + self.max_tokens[slots] - 1, self.config.max_model_len - 1)
@@ -747,6 +850,9 @@ class Scheduler:
             every uncached free block (their pops could evict it);
         (c) it hits a free cached block an earlier candidate also hits (that one's
             touch changes whether this one consumes a free block).
+        (d) under cache_duplicates="latest" with registration at allocation: it hits a
+            hash an earlier candidate registers past its own hits (that one's block
+            would replace the hit block in the cache map).
 
         Candidate 0 never conflicts, so every round makes progress."""
         pool, bs = self.pool, self.bs
@@ -762,6 +868,8 @@ class Scheduler:
             res = self._reservation(cand)
             reserve = [0] * len(slots) if res is None else xp.to_list(res)
             chains: set[int] = set()
+            fresh: set[int] = set()  # hashes earlier candidates register at allocation past their hits
+            replaces = pool.latest_wins and not self.register_computed
             touched: set[int] = set()
             pops, uncached = 0, None
             for j, (s, t, h) in enumerate(zip(slots, tok, hit_lists)):
@@ -774,12 +882,17 @@ class Scheduler:
                     if mine and (touched.intersection(mine)):
                         cut = j
                         break
+                    if replaces and h and not fresh.isdisjoint(chain[:len(h)]):
+                        cut = j
+                        break
                     if mine and pops:
                         uncached = pool.num_free_uncached() if uncached is None else uncached
                         if pops > uncached:
                             cut = j
                             break
                 chains.update(chain)
+                if replaces:
+                    fresh.update(chain[len(h):])
                 touched.update(mine)
                 pops += cdiv(max(min(t, self.config.max_model_len), reserve[j]), bs)
         hit_lists = hit_lists[:cut]
@@ -808,7 +921,7 @@ class Scheduler:
         self.num_cached_blocks[adm] = nhit
         self._allocate(adm, need - evictable)
         hit_tokens = nhit * self.bs
-        self._cache_blocks(adm, xp.minimum(hit_tokens + n, ntok))
+        self._cache_allocated(adm, xp.minimum(hit_tokens + n, ntok))
         was = xp.to_list(self.status[adm])
         self.status[adm] = RUNNING
         self.num_computed_tokens[adm] = hit_tokens
@@ -828,6 +941,7 @@ class Scheduler:
     def update(self, batch: Batch, tokens: Array, eos_token_id: int) -> list[tuple[str, str]]:
         """Append each sampled token (``tokens`` aligned with the sampling requests in
         batch order), apply the stop rules, free finished requests in batch order."""
+        self._cache_computed(batch)
         smp = batch.slots if batch.all_sample else batch.slots[batch.samples]
         if len(smp) == 0:
             return []
@@ -947,7 +1061,8 @@ class Scheduler:
         swaps in or re-orders anything), and no per-step state beyond the requests'
         own (VTC counters, SGLang's ratio) changes."""
         return (self.steady and self.num_waiting == 0 and self.num_swapped == 0 and self.tc is None
-                and not self.estimate and 0 < len(self.running) <= self.config.max_num_batched_tokens)
+                and not self.estimate and 0 < len(self.running) <= self.config.max_num_batched_tokens
+                and not self.register_computed)  # (a span registers blocks at allocation)
 
     def decode_span(self, k_max: int, outputs) -> tuple[int, list[int]]:
         """Run up to ``k_max`` steady decode steps at once (:meth:`span_ready` must hold):
