@@ -628,9 +628,9 @@ def validate(cfg: SchedulerConfig) -> SchedulerConfig:
         raise ConfigError("slo_admission", f"needs policy=edf (deadline order), not {cfg.policy!r}")
     if cfg.preemption_victim == "slo-slack" and cfg.admission == "estimate":
         raise ConfigError("preemption_victim", "slo-slack replaces the policy's victim; admission=estimate retracts its own")
-    if getattr(cfg, "async_scheduling", False) and (cfg.policy == "edf" or cfg.preemption_victim == "slo-slack"):
-        raise ConfigError("async_scheduling", "the SLO policies (policy=edf, preemption_victim=slo-slack) are specified "
-                                              "with synchronous scheduling only")
+    if getattr(cfg, "async_scheduling", False) and (cfg.policy in ("edf", "sprpt") or cfg.preemption_victim == "slo-slack"):
+        raise ConfigError("async_scheduling", "the SLO policies (policy=edf|sprpt, preemption_victim=slo-slack) are "
+                                              "specified with synchronous scheduling only")
     if not 0.0 < cfg.slo_step_s < float("inf"):
         raise ConfigError("slo_step_s", f"must be a finite number > 0, got {cfg.slo_step_s}")
     if cfg.num_cpu_blocks < 0:
