@@ -19,11 +19,12 @@ import numpy as np
 import torch
 
 from spec.config import SchedulerConfig, resolve
-from spec.formats import DEFAULT_EOS_TOKEN_ID, DEFAULT_VOCAB_SIZE, LEVELS, StepRecord, Trace, TraceRequest
+from spec.formats import (DEFAULT_EOS_TOKEN_ID, DEFAULT_VOCAB_SIZE, LEVELS, StepRecord, Trace, TraceRequest,
+                          min_tokens_token)
 
 from gpu_engine import xp
 from gpu_engine.model import AttentionMetadata, LlamaConfig, PagedLlama
-from gpu_engine.scheduler import Batch, Scheduler
+from gpu_engine.scheduler import Batch, Scheduler, salt_root
 
 
 def make_model(model, device="cpu", dtype: torch.dtype = torch.float32, seed: int = 0,
@@ -65,12 +66,12 @@ SUPPORTED: dict[str, frozenset | None] = {
     "preemption_mode": frozenset({"recompute", "swap"}),
     "priority_self_preempt": frozenset({"stop", "continue"}),
     "async_scheduling": frozenset({False, True}),  # True: scheduler-only mode (no model)
+    "max_num_active_seqs": None, "long_prefill_token_threshold_adaptive": None,
 }
 
 #: Request fields of the trace format gpu_engine does not implement yet (issue 15 item 3),
 #: with the value that means "not used"; a request that sets one is refused, naming it.
-UNSUPPORTED_REQUEST_FIELDS = {"skip_prefix_cache": False, "cache_salt": None, "min_tokens": 0,
-                              "client_arrival_time": None}
+UNSUPPORTED_REQUEST_FIELDS: dict = {}
 
 
 def check_request_supported(request: TraceRequest) -> None:
@@ -180,15 +181,20 @@ class GpuEngine:
         if self.output_tokens is not None and self.model is None:  # every token it can sample, written ahead
             longest = max(min(request.prompt_len + request.max_tokens, self.config.max_model_len), request.prompt_len + 1)
             future = self.output_tokens(request, 0, longest - request.prompt_len)
+            if request.min_tokens:  # the sampler's mask of stop tokens (trace format rule)
+                future = list(future)
+                for i in range(min(request.min_tokens, len(future))):
+                    future[i] = min_tokens_token(request, i, int(future[i]), self.vocab_size, self.eos_token_id)
         if self.prompt_cache is None:
             s.add(request, self._prompt(request), future=future)
             return
         key = (request.id, request.prompt_len, None if request.prompt is None else tuple(request.prompt),
-               request.prefix_group, request.prefix_len, self.vocab_size, s.bs if s.caching else 0)
+               request.prefix_group, request.prefix_len, self.vocab_size, s.bs if s.caching else 0, request.cache_salt)
         got = self.prompt_cache.get(key)
         if got is None:
             prompt = self._prompt(request)
-            got = self.prompt_cache[key] = (np.asarray(prompt, dtype=np.int64), s._chain([], prompt) if s.caching else [])
+            chain = s._chain([], prompt, salt_root(request.cache_salt)) if s.caching else []
+            got = self.prompt_cache[key] = (np.asarray(prompt, dtype=np.int64), chain)
         s.add(request, got[0], chain=got[1], future=future)
 
     def abort_request(self, request_id: str) -> None:
@@ -213,7 +219,7 @@ class GpuEngine:
         if self.output_tokens is not None:  # written ahead into the token table at add_request
             tokens = [int(s.token_ids[i, int(s.prompt_len[i]) + k]) for i, (_, k, _) in zip(smp, flight)]
         else:
-            tokens = [s.sources[i].output_token(k, self.vocab_size) for i, (_, k, _) in zip(smp, flight)]
+            tokens = [s.sources[i].output_token(k, self.vocab_size, self.eos_token_id) for i, (_, k, _) in zip(smp, flight)]
         (prev, prev_tokens), self._flight = self._flight, (flight, tokens)
         finished, applied = s.apply_async(prev, prev_tokens, self.eos_token_id)
         self.num_steps += 1
@@ -281,7 +287,7 @@ class GpuEngine:
         if self.output_tokens is not None:  # written ahead at add_request
             p = req.prompt_len
             return self.sched.token_ids[slot, p + first:p + first + count]
-        return [req.output_token(i, self.vocab_size) for i in range(first, first + count)]
+        return [req.output_token(i, self.vocab_size, self.eos_token_id) for i in range(first, first + count)]
 
     # -- execution -------------------------------------------------------------
 
@@ -308,7 +314,7 @@ class GpuEngine:
             out = self.output_tokens
             toks = [int(out(s.sources[i], k, 1)[0]) for i, k in zip(xp.to_list(smp), idx)]
         else:
-            toks = [s.sources[i].output_token(k, self.vocab_size) for i, k in zip(xp.to_list(smp), idx)]
+            toks = [s.sources[i].output_token(k, self.vocab_size, self.eos_token_id) for i, k in zip(xp.to_list(smp), idx)]
         return s.be.asarray(toks)
 
     def _execute(self, batch: Batch):

@@ -44,6 +44,7 @@ fixed sequential order, so that they round exactly as a sequential loop does.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,6 +65,14 @@ REASONS = {F.STOP_EOS: FINISH_EOS, F.STOP_TOKEN: FINISH_STOP_TOKEN,
 COLUMNS = ("prompt_len", "num_tokens", "num_output_tokens", "num_computed_tokens", "status", "priority", "arrival",
            "arrival_step", "max_tokens", "ignore_eos", "num_blocks", "num_cached_blocks", "queue_key", "tenant",
            "swap_key", "cpu_blocks", "stop_at", "placeholders", "preemptions")
+def salt_root(cache_salt: str | None) -> int | None:
+    """The parent hash of a salted request's first block (None without a salt): the first
+    8 bytes of sha256 over the salt, so only requests with equal salts share any block."""
+    if not cache_salt:
+        return None
+    return int.from_bytes(hashlib.sha256(b"gpu_engine salt:" + cache_salt.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
 PRIORITY_SHIFT = 1 << 32  # priority / spf key = base * 2^32 + arrival (arrivals are unique)
 
 
@@ -95,6 +104,13 @@ class Scheduler:
         self.be = Backend(device, use_numpy)
         self.bs = c.block_size
         self.caching = c.enable_prefix_caching
+        #: priority ties: slot -> its time (client_arrival_time, else its arrival index), and
+        #: with client times (any request gave one) its rank by (time, id) among live requests
+        self.tie_times: dict[int, float] = {}
+        self.tie_rank: dict[int, int] = {}
+        self.client_times = False
+        #: requests admitted into running at once: max_num_active_seqs when set (vLLM), else max_num_seqs
+        self.admit_limit = c.max_num_active_seqs or c.max_num_seqs
         self.pool = BlockPool(self.be, c.num_blocks, c.null_block, c.enable_prefix_caching,
                               free_to_tail=c.free_block_order == "tail", latest_wins=c.cache_duplicates == "latest")
         # nano-vllm's knobs: blocks enter the cache after the step that computed them
@@ -237,21 +253,45 @@ class Scheduler:
         if not self.caching:
             self.hashes[s] = []
         else:
-            self.hashes[s] = list(chain) if chain is not None else self._chain([], prompt)
+            self.hashes[s] = list(chain) if chain is not None else self._chain([], prompt, salt_root(req.cache_salt))
+        self.tie_times[s] = req.tie_time(arrival)
+        if req.client_arrival_time is not None and not self.client_times:
+            self.client_times = True
+        if self.client_times:
+            self._rank_ties()
         self._enqueue(s, front=False, arrival=True)
 
-    def _chain(self, chain: list[int], tokens: list[int]) -> list[int]:
-        """Extend a block-hash chain over the full blocks of ``tokens`` (prompt + outputs)."""
+    def _rank_ties(self) -> None:
+        """Priority ties under client arrival times (vLLM's ``Request.arrival_time``, which
+        need not follow the order of arrival): every live request's rank by (time, id), the
+        tie-break of the priority queue's key; queued keys are rebuilt (only traces that
+        give such times pay for it)."""
+        order = sorted(self.tie_times, key=lambda t: (self.tie_times[t], self.ids[t]))
+        self.tie_rank = {t: i for i, t in enumerate(order)}
+        if self.config.policy == "priority" and not self.config.aging_steps:
+            for t in order:
+                if int(self.queue_key[t]) < INF_KEY:
+                    self.queue_key[t] = int(self.priority[t]) * PRIORITY_SHIFT + self.tie_rank[t]
+
+    def _chain(self, chain: list[int], tokens: list[int], root: int | None = None) -> list[int]:
+        """Extend a block-hash chain over the full blocks of ``tokens`` (prompt + outputs);
+        ``root`` is the parent of block 0 (:func:`salt_root`: a request's cache_salt)."""
         bs = self.bs
         for i in range(len(chain), len(tokens) // bs):
-            chain.append(hash_block(chain[-1] if chain else None, tokens[i * bs:(i + 1) * bs]))
+            chain.append(hash_block(chain[-1] if chain else root, tokens[i * bs:(i + 1) * bs]))
         return chain
+
+    def _root(self, s: int) -> int | None:
+        """The parent hash of slot ``s``'s first block: its cache_salt's, else none."""
+        return salt_root(self.sources[s].cache_salt)
 
     def _enqueue(self, s: int, front: bool, arrival: bool = False) -> None:
         """Waiting queue insert: FCFS tail (arrival) or head (victim); priority / spf / sprpt by
         key (:meth:`_base_key`, then arrival)."""
         if self.keyed:
-            key = self._base_key(s) * PRIORITY_SHIFT + int(self.arrival[s])
+            tie = self.tie_rank[s] if self.client_times and self.config.policy == "priority" \
+                and not self.config.aging_steps else int(self.arrival[s])  # aging keeps the arrival order
+            key = self._base_key(s) * PRIORITY_SHIFT + tie
         elif front:
             key, self.head_key = self.head_key, self.head_key - 1
         else:
@@ -298,7 +338,18 @@ class Scheduler:
         self._release(s)
         return True
 
+    def _victim_ties(self, run: Array) -> Array:
+        """The second part of the priority victim key, max (priority, arrival time): the
+        arrival (unique), or with client arrival times their dense rank among ``run``, so an
+        exact tie goes to the earliest in the running list (stable order)."""
+        if not self.client_times:
+            return self.arrival[run]
+        times = [self.tie_times[s] for s in xp.to_list(run)]
+        dense = {t: i for i, t in enumerate(sorted(set(times)))}
+        return self.be.asarray([dense[t] for t in times])
+
     def _release(self, s: int) -> None:
+        self.tie_times.pop(s, None)
         if self.sources[s].stop_token_ids:
             self.num_with_stop_ids -= 1
         self.status[s] = FREE
@@ -456,7 +507,10 @@ class Scheduler:
         """
         c = self.config
         self.pool.evicted = []
-        cap = c.long_prefill_token_threshold if len(self.running) + self.num_waiting > 1 else 0
+        eligible = len(self.running) + self.num_waiting
+        cap = c.long_prefill_token_threshold if eligible > 1 else 0
+        if cap and c.long_prefill_token_threshold_adaptive:  # floored at an even split of the budget
+            cap = max(cap, c.max_num_batched_tokens // eligible)
         budget = c.max_num_batched_tokens
         empty = self.be.empty_int()
         batch = Batch(empty, empty, empty, empty)
@@ -503,7 +557,7 @@ class Scheduler:
         """How many more requests may join this step's batch: max_num_seqs minus the running
         requests (ADMIT.MAX_NUM_SEQS), or minus the ``scheduled`` ones already in the batch
         under max_num_seqs_scope="step" (BATCH.MAX_NUM_SEQS_PER_STEP)."""
-        return self.config.max_num_seqs - (scheduled if self.step_scope else len(self.running))
+        return self.admit_limit - (scheduled if self.step_scope else len(self.running))
 
     def _continue_prefill(self, budget: int, cap: int):
         """RUN.CONTINUE_PREFILL_FIRST: the prefills the last step cut (still running), in that
@@ -624,7 +678,7 @@ class Scheduler:
             rev = self.be.arange(len(run))[::-1] if self.be.numpy else self.be.arange(len(run)).flip(0)
             return rev[xp.stable_argsort(key[rev])]
         if self.config.policy == "priority":
-            key = self.priority[run] * PRIORITY_SHIFT + self.arrival[run]
+            key = self.priority[run] * PRIORITY_SHIFT + self._victim_ties(run)
             return xp.stable_argsort(-key)
         return self.be.arange(len(run))[::-1] if self.be.numpy else self.be.arange(len(run)).flip(0)
 
@@ -857,7 +911,9 @@ class Scheduler:
         Candidate 0 never conflicts, so every round makes progress."""
         pool, bs = self.pool, self.bs
         slots, tok = xp.to_list(cand), xp.to_list(ntok)
-        hit_lists = [pool.lookup(self.hashes[s], (t - 1) // bs) for s, t in zip(slots, tok)]
+        # a request that skips the prefix cache (vLLM: prompt_logprobs) looks nothing up
+        hit_lists = [[] if self.sources[s].skip_prefix_cache else pool.lookup(self.hashes[s], (t - 1) // bs)
+                     for s, t in zip(slots, tok)]
         flat = [b for h in hit_lists for b in h]
         free_hit = set()
         if flat:
@@ -1049,9 +1105,9 @@ class Scheduler:
             chain = self.hashes[s]
             if len(chain) != t // bs - 1:  # cannot happen; recompute the chain to be safe
                 row = self.be.host(self.token_ids[s, :t])
-                self.hashes[s] = self._chain(chain, row.tolist())
+                self.hashes[s] = self._chain(chain, row.tolist(), self._root(s))
                 continue
-            chain.append(hash_block(chain[-1] if chain else None, block))
+            chain.append(hash_block(chain[-1] if chain else self._root(s), block))
 
     # ------------------------------------------------------------------ decode spans (simulators)
 
@@ -1146,7 +1202,7 @@ class Scheduler:
                 row = known + toks[i][:ti + k - max(lo, ti)]
                 for m in range(len(chain), last):
                     part = row[(m * bs - lo):((m + 1) * bs - lo)]
-                    chain.append(hash_block(chain[-1] if chain else None, part))
+                    chain.append(hash_block(chain[-1] if chain else self._root(s), part))
             cached = int(self.num_cached_blocks[s])
             for m in range(cached, (ti + k - 1) // bs):  # registered in step (m + 1) * bs - t_i
                 regs.append((max((m + 1) * bs - ti, 0), i, m))

@@ -17,6 +17,7 @@ while both group blocks are cached hits ``(10 - 1) // 4 = 2`` blocks = 8 tokens.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -296,26 +297,46 @@ def test_generated_feature_traces_run_on_the_spec_with_invariants():
         assert report.ok, (seed, report.violations[:3])
 
 
-# -- gpu_engine: refuses what it does not implement yet --------------------------
+# -- gpu_engine: implements them independently ------------------------------------
 
-@pytest.mark.parametrize("field,value", [("skip_prefix_cache", True), ("cache_salt", "x"), ("min_tokens", 1),
-                                         ("client_arrival_time", 0.5)])
-def test_gpu_engine_refuses_request_fields_it_does_not_implement(field, value):
-    from gpu_engine.engine import GpuEngine
-
-    trace = _trace({"id": "a", "arrival_step": 0, "prompt_len": 4, "max_tokens": 2, field: value})
-    with pytest.raises(ValueError, match=f"does not implement the request field {field} "):
-        GpuEngine.from_trace(trace)
-    engine = GpuEngine.from_trace(_trace())
-    with pytest.raises(ValueError, match=field):
-        engine.add_request(trace.requests[0])
+#: Random traces with the request features drawn, gpu_engine vs the spec at the exact level
+#: (issue 15: 500 per new combination; BATCHSPEC_GPU_FEATURE_TRACES to change).
+N_GPU_TRACES = int(os.environ.get("BATCHSPEC_GPU_FEATURE_TRACES", "500"))
 
 
-@pytest.mark.parametrize("knob,value", [("max_num_active_seqs", 2), ("long_prefill_token_threshold_adaptive", True)])
-def test_gpu_engine_refuses_the_new_knobs_and_its_capabilities_exclude_them(knob, value):
-    from fuzz.capabilities import for_engine
-    from gpu_engine.engine import GpuEngine
+@pytest.mark.parametrize("options", [{}, {"policy": "priority"}, {"profile": "vllm-v1-async"}],
+                         ids=["drawn", "priority", "vllm-v1-async"])
+def test_gpu_engine_agrees_with_the_spec_on_feature_traces(options):
+    """Every request feature and both new knobs (drawn only without a profile, which fixes
+    every knob) on gpu_engine's own implementation."""
+    from fuzz.generate import random_trace, trace_features
+    from fuzz.replay import replay
 
-    with pytest.raises(ValueError, match=knob):
-        GpuEngine.from_trace(_trace(**{"max_num_seqs": 4, "long_prefill_token_threshold": 4, knob: value}))
-    assert not for_engine("gpu", None).allows(knob, value)
+    seen, diverged = set(), []
+    for seed in range(N_GPU_TRACES):
+        trace = random_trace(seed, request_features=True, **options)
+        result = replay(trace, "gpu", "exact")
+        seen |= trace_features(trace, result.spec_records)
+        if not result.agreed:
+            diverged.append((seed, result.divergence.describe()))
+    assert not diverged, f"{len(diverged)} divergences, first: {diverged[0]}"
+    wanted = {"skip_prefix_cache", "cache_salt", "min_tokens", "prefix_hits"}
+    if "profile" not in options:
+        wanted |= {"max_num_active_seqs", "adaptive_long_prefill", "client_arrival_time", "preemption"}
+    assert wanted <= seen
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_gpu_engine_hand_worked_scenarios(scenario):
+    from fuzz.diff import first_divergence
+    from fuzz.replay import replay
+
+    requests, config = SCENARIOS[scenario]
+    trace = _trace(*requests, **config)
+    records = replay(trace, "gpu", "exact").engine_records
+    assert first_divergence(run(trace), records, level="exact") is None
+    expected = {"skip": (_hits, SKIP_HITS), "salt": (_hits, SALT_HITS), "tie": (_admitted, TIE_ADMITTED),
+                "active": (_admitted, ACTIVE_ADMITTED),
+                "adaptive": (lambda rs: [r.scheduled for r in rs], ADAPTIVE_SCHEDULED),
+                "min": (lambda rs: (_sampled(rs), _finished(rs)), _min_expected())}[scenario]
+    assert expected[0](records) == expected[1]
