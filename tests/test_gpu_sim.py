@@ -61,6 +61,10 @@ def test_azure_window_equals_the_spec_at_low_and_high_load(azure, rate):
     ("vllm-v0-swap", {"num_blocks": 300, "max_model_len": 4096}),  # swap: the driver's own batch tracker
     ("static", {}), ("sglang", {}), ("vtc", {"max_model_len": 4096}), ("priority-aging", {}), ("naive", {}),
     ("vllm-v1", {"kv_reservation": "full", "max_num_seqs": 4}),
+    # nano-vllm's knobs (cut prefills continued first, whole-sequence reservation, FIFO free queue,
+    # latest duplicate wins, max_num_seqs per step); spans only with registration at allocation
+    ("nano-vllm", {"block_size": 16, "num_blocks": 300, "max_num_batched_tokens": 2048, "max_num_seqs": 8}),
+    ("nano-vllm", {"block_size": 16, "num_blocks": 300, "max_num_batched_tokens": 2048, "cache_register": "allocation"}),
 ])
 def test_profiles_equal_the_spec(azure, profile, knobs):
     _same(scale_to_rate(azure, 8.0), profile, **knobs)
@@ -116,3 +120,15 @@ def test_cli_simulate_engine_gpu_reports_the_check(tmp_path, capsys):
 
     ours, theirs = json.loads((tmp_path / "m.json").read_text()), json.loads((tmp_path / "s.json").read_text())
     assert code == 0 and ours["metrics"] == theirs["metrics"]
+
+
+def test_nano_vllm_decode_spans_only_with_registration_at_allocation(azure):
+    """Under cache_register="computed" a block enters the cache after its step, which a
+    span's closed form does not model: gpu_engine runs every step (and still equals the
+    spec); with registration at allocation the spans run again."""
+    knobs = {"block_size": 16, "num_blocks": 300, "max_num_batched_tokens": 2048}
+    trace = scale_to_rate(azure, 2.0)
+    spec, _, engine_steps = _same(trace, "nano-vllm", **knobs)
+    assert engine_steps == spec.steps
+    spec, _, engine_steps = _same(trace, "nano-vllm", cache_register="allocation", **knobs)
+    assert engine_steps < spec.steps
