@@ -430,7 +430,8 @@ def cmd_conform(args) -> int:
         check_directory_option("--save-divergent", args.save_divergent)
 
     return conform_command(args.engine, args.traces, args.seed, args.level, args.workers, args.json, args.markdown,
-                           args.save_divergent, progress=not args.no_progress, capabilities=args.capabilities)
+                           args.save_divergent, progress=not args.no_progress, capabilities=args.capabilities,
+                           request_features=args.request_features)
 
 
 def cmd_profiles(args) -> int:
@@ -553,6 +554,9 @@ def build_parser() -> argparse.ArgumentParser:
     cf.add_argument("--no-progress", action="store_true", help="no progress bar")
     cf.add_argument("--capabilities", metavar="FILE", help="the knob values the engine implements (JSON, "
                     "fuzz/capabilities.py), instead of what it declares itself")
+    cf.add_argument("--request-features", action="store_true", help="the traces also carry the request features "
+                    "vLLM's scheduler sees: skip_prefix_cache, cache_salt, min_tokens, client_arrival_time, "
+                    "max_num_active_seqs, the adaptive long-prefill cap")
     cf.set_defaults(fn=cmd_conform)
 
     fz = command("fuzz", "differential fuzz campaign: random traces through the spec and an engine")

@@ -62,6 +62,7 @@ class ConformanceReport:
     workers: int = 1
     envelope: str = ""  # the engine's capability envelope the traces were drawn in
     capabilities: str | None = None  # the --capabilities FILE that replaced the engine's declaration, if any
+    request_features: bool = False  # --request-features: the generator also drew them (issue 15 item 3)
 
     @property
     def n_traces(self) -> int:
@@ -95,6 +96,7 @@ class ConformanceReport:
         import shlex
 
         extra = f" --capabilities {shlex.quote(self.capabilities)}" if self.capabilities else ""
+        extra += " --request-features" if self.request_features else ""
         return (f"batchspec conform --engine {self.engine} --traces {self.n_traces} --seed {self.seed} "
                 f"--level {self.level}{extra}")
 
@@ -108,27 +110,29 @@ class ConformanceReport:
         }
 
 
-def trace_for(seed: int, envelope=None):
+def trace_for(seed: int, envelope=None, features: bool = False):
     """The trace of ``seed`` for an engine with ``envelope``: ``random_trace(seed)`` when it lies
     inside; else the generator's own draws with the knobs the envelope pins to one value (e.g.
     ``async_scheduling: [true]``) when that lies inside; else the seed's trace drawn inside it
-    (the envelope's knob values for slot ``seed``)."""
-    trace = random_trace(seed)
+    (the envelope's knob values for slot ``seed``).  ``features``: the generator also draws the
+    request features vLLM's scheduler sees (``random_trace(..., request_features=True)``)."""
+    draw = {"request_features": True} if features else {}
+    trace = random_trace(seed, **draw)
     if envelope is None or envelope.everything or envelope.admits(trace.config):
         return trace
     pinned = {k: v[0] for k, v in envelope.knobs.items() if isinstance(v, tuple) and len(v) == 1}
     if pinned and envelope.profile == "vllm-v1":
-        trace = random_trace(seed, **pinned)
+        trace = random_trace(seed, **pinned, **draw)
         if envelope.admits(trace.config):
             return trace
-    return random_trace(seed, **envelope.options(seed, seed=0))
+    return random_trace(seed, **envelope.options(seed, seed=0), **draw)
 
 
-def check_one(seed: int, engine: str, level: str, envelope=None) -> TraceOutcome:
+def check_one(seed: int, engine: str, level: str, envelope=None, features: bool = False) -> TraceOutcome:
     """Replay the trace of ``seed`` (:func:`trace_for`) through ``engine`` and the spec."""
     from fuzz.replay import replay
 
-    trace = trace_for(seed, envelope)
+    trace = trace_for(seed, envelope, features)
     result = replay(trace, engine, level)
     d = result.divergence
     return TraceOutcome(
@@ -139,25 +143,28 @@ def check_one(seed: int, engine: str, level: str, envelope=None) -> TraceOutcome
 
 
 def _check_chunk(args: tuple[list[int], str, str, Any]) -> list[TraceOutcome]:
-    seeds, engine, level, envelope = args
-    return [_check(s, engine, level, envelope) for s in seeds]
+    seeds, engine, level, envelope, features = args
+    return [_check(s, engine, level, envelope, features) for s in seeds]
 
 
-def _check(seed: int, engine: str, level: str, envelope) -> TraceOutcome:
+def _check(seed: int, engine: str, level: str, envelope, features: bool = False) -> TraceOutcome:
     """:func:`check_one`, with the envelope only when it restricts anything."""
+    if features:
+        return check_one(seed, engine, level, None if envelope is None or envelope.everything else envelope, features)
     return check_one(seed, engine, level) if envelope is None or envelope.everything else check_one(seed, engine, level, envelope)
 
 
-def _outcomes(seeds: list[int], engine: str, level: str, workers: int, envelope=None) -> Iterator[TraceOutcome]:
+def _outcomes(seeds: list[int], engine: str, level: str, workers: int, envelope=None,
+              features: bool = False) -> Iterator[TraceOutcome]:
     """Outcomes in seed order, from this process or from ``workers`` spawned ones."""
     if workers <= 1:
         for s in seeds:
-            yield _check(s, engine, level, envelope)
+            yield _check(s, engine, level, envelope, features)
         return
     import multiprocessing
 
     chunk = 25
-    jobs = [(seeds[i:i + chunk], engine, level, envelope) for i in range(0, len(seeds), chunk)]
+    jobs = [(seeds[i:i + chunk], engine, level, envelope, features) for i in range(0, len(seeds), chunk)]
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
         for batch in pool.imap(_check_chunk, jobs):
             yield from batch
@@ -174,21 +181,24 @@ def default_workers(n_traces: int, engine: str) -> int:
 
 
 def run_conformance(n_traces: int, seed: int = 0, level: str = "exact", engine: str = "vllm",
-                    progress: bool = True, workers: int | None = None, capabilities=None) -> ConformanceReport:
+                    progress: bool = True, workers: int | None = None, capabilities=None,
+                    features: bool = False) -> ConformanceReport:
     """Replay ``n_traces`` random traces from ``seed`` on, inside the engine's envelope
-    (``capabilities`` overrides its declaration); collect a :class:`ConformanceReport`."""
+    (``capabilities`` overrides its declaration); collect a :class:`ConformanceReport`.
+    ``features``: the traces also carry the request features (:func:`trace_for`)."""
     from fuzz.capabilities import for_engine
     from fuzz.replay import make_engine
 
     if n_traces < 1:
         raise ValueError("n_traces must be >= 1")
     envelope = for_engine(engine, capabilities)
-    make_engine(engine, trace_for(seed, envelope))  # fail fast here, not in a worker, if the engine is missing
+    make_engine(engine, trace_for(seed, envelope, features))  # fail fast here, not in a worker, if the engine is missing
     workers = default_workers(n_traces, engine) if workers is None else workers
-    report = ConformanceReport(engine, level, seed, workers=workers, envelope=envelope.describe())
+    report = ConformanceReport(engine, level, seed, workers=workers, envelope=envelope.describe(),
+                               request_features=features)
     seeds = list(range(seed, seed + n_traces))
     t0 = time.perf_counter()
-    stream = _outcomes(seeds, engine, level, workers, envelope)
+    stream = _outcomes(seeds, engine, level, workers, envelope, features)
     if progress:
         stream = _with_progress(stream, n_traces, engine, report)
     for outcome in stream:
@@ -243,7 +253,8 @@ def render_markdown(report: ConformanceReport) -> str:
 
 def conform_command(engine: str = "vllm", traces: int = 2000, seed: int = 0, level: str = "exact",
                     workers: int | None = None, json_path: str | None = None, markdown: bool = False,
-                    save_divergent: str | None = None, progress: bool = True, capabilities: str | None = None) -> int:
+                    save_divergent: str | None = None, progress: bool = True, capabilities: str | None = None,
+                    request_features: bool = False) -> int:
     """``batchspec conform``: exit 0 when every trace agrees, 1 on any divergence, 2 bad input."""
     import json
     from pathlib import Path
@@ -261,7 +272,8 @@ def conform_command(engine: str = "vllm", traces: int = 2000, seed: int = 0, lev
         return 2
     try:
         envelope = for_engine(engine, capabilities)
-        report = run_conformance(traces, seed, level, engine, progress=progress, workers=workers, capabilities=envelope)
+        report = run_conformance(traces, seed, level, engine, progress=progress, workers=workers, capabilities=envelope,
+                                 features=request_features)
         report.capabilities = capabilities
     except (EngineUnavailable, CapabilityError) as e:
         err.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
@@ -274,7 +286,7 @@ def conform_command(engine: str = "vllm", traces: int = 2000, seed: int = 0, lev
     if save_divergent and report.divergent:
         folder = Path(save_divergent)
         for o in report.divergent:
-            write_trace(trace_for(o.seed, envelope), folder / f"seed-{o.seed}.jsonl")
+            write_trace(trace_for(o.seed, envelope, request_features), folder / f"seed-{o.seed}.jsonl")
         out.print(f"divergent traces written to {folder}/seed-N.jsonl (replay: batchspec replay FILE --engine {engine})",
                   highlight=False, soft_wrap=True)
     if json_path:

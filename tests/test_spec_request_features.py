@@ -340,3 +340,16 @@ def test_gpu_engine_hand_worked_scenarios(scenario):
                 "adaptive": (lambda rs: [r.scheduled for r in rs], ADAPTIVE_SCHEDULED),
                 "min": (lambda rs: (_sampled(rs), _finished(rs)), _min_expected())}[scenario]
     assert expected[0](records) == expected[1]
+
+
+def test_conform_draws_the_features_on_request():
+    """`batchspec conform --request-features`: the traces carry them, the areas show them,
+    and the reproduction command names the flag."""
+    from fuzz.conform import run_conformance
+
+    report = run_conformance(30, engine="gpu", progress=False, workers=1, features=True)
+    assert report.all_agreed and report.command().endswith("--request-features")
+    areas = report.areas()
+    assert all(areas[name].traces > 0 for name in ("skip_prefix_cache", "cache_salt", "min_tokens"))
+    plain = run_conformance(30, engine="gpu", progress=False, workers=1)
+    assert "skip_prefix_cache" not in plain.areas() and "--request-features" not in plain.command()
