@@ -531,26 +531,6 @@ VLLM_V1_ASYNC = _derived(
 PROFILES: dict[str, Profile] = {p.name: p for p in (VLLM_V1, NAIVE, STATIC, VLLM_V0, ORCA, TGI, VLLM_V0_SWAP, SGLANG,
                                                     VTC, PRIORITY_AGING, SPF_AGING, NANO_VLLM, VLLM_V1_ASYNC)}
 
-
-def knob_names() -> list[str]:
-    return [f.name for f in dataclasses.fields(SchedulerConfig) if f.name != "profile"]
-
-
-def _check_value(name: str, value: Any, expected_type: type) -> None:
-    if expected_type is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(name, f"expected true/false, got {value!r}")
-    elif expected_type is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(name, f"expected an integer, got {value!r}")
-    elif expected_type is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(name, f"expected a number, got {value!r}")
-    elif expected_type is str and not isinstance(value, str):
-        raise ConfigError(name, f"expected a string, got {value!r}")
-    if name in KNOB_CHOICES and value not in KNOB_CHOICES[name]:
-        raise ConfigError(name, f"must be one of {', '.join(KNOB_CHOICES[name])}, got {value!r}")
-
 _SLO_FIXED = {
     "targets": "per request (ttft_slo, tpot_slo) or by class (the header's slo_classes); in steps, timed traces' "
                "seconds turned into steps by slo_step_s (rule SLO.TARGET_STEPS)",
@@ -588,6 +568,26 @@ SPRPT = _derived(
     policy="sprpt", aging_steps=4,
 )
 PROFILES.update({p.name: p for p in (EDF, EDF_AC, SPRPT)})  # issue 19: the SLO-aware policies
+
+
+def knob_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(SchedulerConfig) if f.name != "profile"]
+
+
+def _check_value(name: str, value: Any, expected_type: type) -> None:
+    if expected_type is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(name, f"expected true/false, got {value!r}")
+    elif expected_type is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(name, f"expected an integer, got {value!r}")
+    elif expected_type is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(name, f"expected a number, got {value!r}")
+    elif expected_type is str and not isinstance(value, str):
+        raise ConfigError(name, f"expected a string, got {value!r}")
+    if name in KNOB_CHOICES and value not in KNOB_CHOICES[name]:
+        raise ConfigError(name, f"must be one of {', '.join(KNOB_CHOICES[name])}, got {value!r}")
 
 
 def validate(cfg: SchedulerConfig) -> SchedulerConfig:
