@@ -62,10 +62,15 @@ def engine_victim_order():
 def _stub_scheduler(policy: str, priority: ZArr | None, arrival: ZArr | None):
     """The attributes ``_victim_order`` reads, for the profile's knobs (other knobs at their
     defaults: ``admission="budget"``, so not the SGLang-style ``estimate`` victim order)."""
+    from gpu_engine.scheduler import Scheduler
+
     cfg = lifted.config_stub(policy=policy)
-    return types.SimpleNamespace(config=cfg, priority=priority, arrival=arrival,
+    stub = types.SimpleNamespace(config=cfg, priority=priority, arrival=arrival, client_times=False,
                                  estimate=getattr(cfg, "admission", "budget") == "estimate",
                                  be=types.SimpleNamespace(numpy=True, arange=lambda n, start=0: np.arange(start, start + n)))
+    # the engine's own tie key, run on Z3 terms (no client arrival times: ties go by arrival)
+    stub._victim_ties = types.MethodType(rebind(Scheduler._victim_ties, {"xp": SYM_XP}), stub)
+    return stub
 
 
 def _per_path(pre: list, paths, prop: Callable[[Any], list[tuple[str, Any]]], describe: Callable) -> tuple[str, str]:
