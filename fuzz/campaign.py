@@ -982,16 +982,26 @@ def trace_options(cfg: CampaignConfig, k: int, uncovered: list[str], envelope) -
     if profile is not None and cfg.profile == ALL_PROFILES and not _profile_takes(profile, cfg.knobs):
         profile = None  # a rotated profile that --set contradicts (tgi under async): the default family instead
     options = steer(uncovered, k, profile)
-    if envelope.everything:
-        return _pin_required(cfg.knobs, {**options, **cfg.knobs})
-    options = {key: v for key, v in options.items() if key not in _KNOBS or envelope.allows(key, v)}
     fixed = set(cfg.knobs) | (set(profile_knobs(profile)) if profile else set())
+    if envelope.everything:
+        return _valid(cfg, k, envelope, fixed, _pin_required(cfg.knobs, {**options, **cfg.knobs}))
+    options = {key: v for key, v in options.items() if key not in _KNOBS or envelope.allows(key, v)}
     # under --profile all, the family traces (k % 4 in {0, 1}) take consecutive rotation slots: coverage
     slot = (k // 4) * 2 + k % 4 if cfg.profile == ALL_PROFILES and k % 4 < 2 else k
     drawn = envelope.options(slot, cfg.seed, fixed=fixed)
     if profile:
         drawn["profile"] = profile
-    return _pin_required(cfg.knobs, {**options, **drawn, **cfg.knobs})
+    return _valid(cfg, k, envelope, fixed, _pin_required(cfg.knobs, {**options, **drawn, **cfg.knobs}))
+
+
+def _valid(cfg: CampaignConfig, k: int, envelope, fixed: set[str], options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` as a configuration the spec's own validation accepts: a knob that steering,
+    the envelope's rotation or a profile combined into a refused combination (async with swap
+    or an SLO policy, ...) is re-drawn from the campaign seed and trace number
+    (:func:`fuzz.capabilities.repair`), so every worker count draws the same traces."""
+    from fuzz.capabilities import repair
+
+    return repair(options, fixed, envelope, key=f"{cfg.seed}:{k}")
 
 
 def _profile_takes(profile: str, knobs: dict[str, Any]) -> bool:

@@ -232,20 +232,100 @@ class Envelope:
 
 
 def _consistent(profile: str, options: dict[str, Any], order: dict[str, list]) -> dict[str, Any]:
-    """Move rotated knobs to their next value while the spec refuses the combination."""
+    """Move rotated knobs to their next value while the spec refuses the combination
+    (:func:`repair`, with the knobs not rotated held fixed)."""
+    fixed = set(options) - set(order) - {"profile"}
+    return repair(options, fixed, prefer=order)
+
+
+#: Sizes roomy enough that only the semantic knobs can make a configuration invalid (the
+#: generator sizes the workload to the knobs afterwards).
+_ROOMY = {"max_num_batched_tokens": 1 << 20, "max_model_len": 64, "max_num_seqs": 1 << 10, "num_blocks": 64}
+
+
+def refusal(options: Mapping[str, Any]) -> ConfigError | None:
+    """The spec's own config validation (:func:`spec.config.resolve`) of the knobs in
+    ``options`` (a campaign's generator options) over its profile, at roomy sizes; ``None``
+    when it accepts them."""
     from fuzz.generate import profile_knobs
 
-    for _ in range(8):
-        try:
-            resolve({"max_num_batched_tokens": 1 << 20, "max_model_len": 64, "max_num_seqs": 1, "num_blocks": 64,
-                     **profile_knobs(profile), **options})
-            return options
-        except ConfigError as e:
-            if e.field not in order or len(order[e.field]) < 2:
-                return options  # a size the generator adjusts, or nothing left to try
-            order[e.field] = order[e.field][1:] + order[e.field][:1]
-            options[e.field] = order[e.field][0]
-    return options
+    profile = options.get("profile") or "vllm-v1"
+    knobs = {k: v for k, v in options.items() if k in _TYPES}
+    try:
+        resolve({**_ROOMY, **profile_knobs(profile), **knobs, "profile": profile})
+    except ConfigError as e:
+        return e
+    return None
+
+
+def repair(options: Mapping[str, Any], fixed: Iterable[str] = (), envelope: Envelope | None = None,
+           key: str = "", prefer: Mapping[str, list] | None = None) -> dict[str, Any]:
+    """``options`` made into a configuration the spec accepts, changing only knobs not in ``fixed``.
+
+    While :func:`refusal` names a knob, that knob is re-drawn (:func:`_redraw`); when it
+    names a fixed knob, the other knob of the conflict is: ``async_scheduling`` for one of
+    its needs (:data:`spec.config.ASYNC_NEEDS`), the SLO knob for ``async_scheduling``.
+    Deterministic in ``key`` (the campaign seed and trace), so any worker count draws the
+    same configurations.  A conflict among fixed knobs only is left for the caller's
+    validation to refuse (``--set`` is checked before the campaign)."""
+    out = dict(options)
+    fixed = set(fixed)
+    for _ in range(4 * len(_TYPES)):
+        err = refusal(out)
+        if err is None:
+            return out
+        knob = _culprit(err, out, fixed)
+        if knob is None:
+            return out
+        out[knob] = _redraw(knob, out, envelope, key, (prefer or {}).get(knob))
+    return out
+
+
+def _culprit(err: ConfigError, options: Mapping[str, Any], fixed: set[str]) -> str | None:
+    """The knob to change for the refusal ``err``: the one it names, unless that one is fixed."""
+    from spec.config import ASYNC_NEEDS
+
+    if err.field not in fixed and err.field in _TYPES:
+        return err.field
+    if err.field in ASYNC_NEEDS and options.get("async_scheduling") and "async_scheduling" not in fixed:
+        return "async_scheduling"
+    if err.field == "async_scheduling":  # async is fixed: the SLO knob goes
+        for knob, slo in (("policy", ("edf", "sprpt")), ("preemption_victim", ("slo-slack",))):
+            if options.get(knob) in slo and knob not in fixed:
+                return knob
+    return None
+
+
+def _redraw(knob: str, options: Mapping[str, Any], envelope: Envelope | None, key: str,
+            prefer: list | None) -> Any:
+    """A new value for ``knob`` that the spec accepts with the other options: async's need
+    when async is on, else the envelope's values (``prefer``: the rotation's order) in an
+    order seeded by ``key``, else the profile's value."""
+    from fuzz.generate import profile_knobs
+    from spec.config import ASYNC_NEEDS
+
+    profile = options.get("profile") or "vllm-v1"
+    base = profile_knobs(profile).get(knob, getattr(PROFILES[profile].config, knob))
+    if knob == "async_scheduling":
+        return False
+    current = options.get(knob)
+    if prefer:
+        values = list(prefer)
+        at = values.index(current) + 1 if current in values else 0
+        values = values[at:] + values[:at]
+    else:
+        values = list(envelope.samples(knob)) if envelope is not None and knob in envelope.knobs else \
+            list(KNOB_CHOICES.get(knob, ())) if envelope is not None and envelope.everything else []
+        random.Random(zlib.crc32(f"{key}:{knob}".encode())).shuffle(values)
+    if options.get("async_scheduling") and knob in ASYNC_NEEDS:
+        values.insert(0, ASYNC_NEEDS[knob])
+    for value in [*values, base]:
+        if value == current or (envelope is not None and not envelope.allows(knob, value)):
+            continue
+        err = refusal({**options, knob: value})
+        if err is None or err.field != knob:
+            return value
+    return base
 
 
 def _show(value: Any) -> str:

@@ -1,0 +1,69 @@
+"""A campaign draws only configurations the spec's own config validation accepts (async with
+its needs, no SLO policy or swap with async), inside the engine's envelope, so that
+``batchspec fuzz`` never counts a "failed inside the harness" trace for a drawn combination."""
+import pytest
+
+from fuzz.campaign import CampaignConfig, campaign_envelope, run_campaign, trace_options, trace_seed
+from fuzz.capabilities import refusal, repair
+from fuzz.generate import random_trace
+from spec.config import ASYNC_NEEDS, ConfigError, resolve
+from spec.rules import all_rules
+
+RULES = sorted(r.id for r in all_rules().values() if r.fires)
+
+
+def _draws(cfg: CampaignConfig, n: int):
+    envelope = campaign_envelope(cfg)
+    for k in range(n):
+        uncovered = RULES if k < n // 2 else RULES[::3]  # steering towards every family, then fewer
+        yield k, envelope, trace_options(cfg, k, uncovered, envelope)
+
+
+@pytest.mark.parametrize("engine,profile,knobs", [
+    ("gpu", "all", {}), ("gpu", None, {}), ("gpu", "nano-vllm", {}), ("gpu", "all", {"async_scheduling": True}),
+    ("spec", "all", {}), ("spec", "all", {"async_scheduling": True}),
+])
+def test_every_drawn_campaign_configuration_is_valid_and_inside_the_envelope(engine, profile, knobs):
+    seen_async = 0
+    for seed in (0, 1):
+        cfg = CampaignConfig(seed=seed, engine=engine, profile=profile, knobs=dict(knobs))
+        for k, envelope, options in _draws(cfg, 400):
+            trace = random_trace(trace_seed(seed, k), **{"max_steps": 500, **options})
+            try:
+                config = resolve(trace.config)
+            except ConfigError as e:
+                pytest.fail(f"{engine} --profile {profile} seed {seed} trace {k}: {e} (options {options})")
+            assert envelope.violations(config) == [], (k, options)
+            for name, value in knobs.items():
+                assert getattr(config, name) == value
+            if config.async_scheduling:
+                seen_async += 1
+                assert all(getattr(config, n) == v for n, v in ASYNC_NEEDS.items())
+                assert config.policy not in ("edf", "sprpt") and config.preemption_victim != "slo-slack"
+    if engine == "gpu" and profile in ("all", None):
+        assert seen_async > 0  # async is still drawn, with its needs pinned
+
+
+def test_the_draws_do_not_depend_on_anything_but_the_seed_and_the_trace():
+    cfg = CampaignConfig(seed=3, engine="gpu", profile="all")
+    first = [o for _, _, o in _draws(cfg, 200)]
+    again = [o for _, _, o in _draws(CampaignConfig(seed=3, engine="gpu", profile="all", workers=4), 200)]
+    assert first == again
+
+
+def test_repair_redraws_the_conflicting_knob_and_keeps_the_fixed_ones():
+    options = {"async_scheduling": True, "preemption_mode": "swap", "policy": "sprpt", "kv_reservation": "full"}
+    assert refusal(options) is not None
+    fixed = repair(options, fixed={"async_scheduling"}, key="0:1")
+    assert refusal(fixed) is None and fixed["async_scheduling"] is True
+    assert fixed["preemption_mode"] == "recompute" and fixed["kv_reservation"] == "step" and fixed["policy"] != "sprpt"
+    # async not fixed, the SLO policy fixed: async goes
+    out = repair({"async_scheduling": True, "policy": "sprpt"}, fixed={"policy"}, key="0:2")
+    assert out == {"async_scheduling": False, "policy": "sprpt"}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_gpu_campaign_has_no_harness_failures(tmp_path, seed):
+    state = run_campaign(CampaignConfig(seed=seed, engine="gpu", profile="all", traces=320, workers=1, corpus=str(tmp_path)))
+    assert state.traces == 320 and state.outside_envelope == 0
+    assert state.errors == 0, state.first_error
