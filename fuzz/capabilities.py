@@ -22,8 +22,9 @@ A declaration names a **profile** (the base) and the knobs the engine lets vary:
   profile's value;
 * workload sizes (``block_size``, ``num_blocks``, ``max_model_len``,
   ``max_num_batched_tokens``, ``max_num_seqs``, ``num_cpu_blocks``, ``max_steps``,
-  tenant weights and prices) are drawn freely unless the profile sets them apart
-  from ``vllm-v1`` (``max_num_seqs = 1`` for ``naive``) or ``knobs`` restricts them.
+  tenant weights and prices) are drawn freely (in the default family's pressured
+  ranges) unless the profile sets them tighter than ``vllm-v1`` (``max_num_seqs = 1``
+  for ``naive``, :func:`fuzz.generate.profile_knobs`) or ``knobs`` restricts them.
 
 It is written in code — a ``capabilities`` attribute (a dict as above, a
 :class:`Envelope`, the path of a JSON file, or a callable returning one of these)

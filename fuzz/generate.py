@@ -158,15 +158,28 @@ DRAWN = ("block_size", "max_model_len", "max_num_batched_tokens", "max_num_seqs"
 def profile_knobs(profile: str) -> dict[str, Any]:
     """The knobs a trace drawn for ``profile`` fixes at the profile's values: every
     semantic knob (queue policy, batching, reservation, admission, preemption,
-    chunking, prefix caching, caps, watermark, ...), and the :data:`DRAWN` ones where
-    the profile sets them apart from ``vllm-v1`` (``max_num_seqs=1`` for ``naive``,
-    ``block_size=1`` for ``sglang``).  Pool sizes (:data:`SIZES`) are always drawn."""
+    chunking, prefix caching, caps, watermark, ...), and the :data:`DRAWN` ones the
+    profile sets *tighter* than ``vllm-v1`` (``max_num_seqs=1`` for ``naive``: one request
+    at a time; ``block_size=1`` for ``sglang``: a token-granular cache) or to another
+    non-numeric value.  A larger size (nano-vllm's 256-token blocks, 16,384-token budget and
+    512 sequences; a 4,096-token budget) is a deployment default that traces of 2-12 short
+    requests never reach: it is drawn in the default family's pressured ranges, so a
+    profile's campaign still chunks, preempts and hits the prefix cache.  Pool sizes
+    (:data:`SIZES`) are always drawn."""
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r} (known: {', '.join(sorted(PROFILES))})")
     cfg, base = PROFILES[profile].config, VLLM_V1.config
     return {f.name: getattr(cfg, f.name) for f in fields(SchedulerConfig)
             if f.name != "profile" and f.name not in SIZES
-            and (f.name not in DRAWN or getattr(cfg, f.name) != getattr(base, f.name))}
+            and (f.name not in DRAWN or _tighter(getattr(cfg, f.name), getattr(base, f.name)))}
+
+
+def _tighter(value: Any, default: Any) -> bool:
+    """Whether a profile's workload size is part of what it stands for: below vllm-v1's
+    (a numeric limit), or a different non-numeric value (tenant weights)."""
+    if isinstance(value, (int, float)) and isinstance(default, (int, float)):
+        return value < default
+    return value != default
 
 
 def _draw_prompts(rng: random.Random, n: int, want_groups: bool) -> list[dict[str, Any]]:

@@ -67,3 +67,23 @@ def test_a_gpu_campaign_has_no_harness_failures(tmp_path, seed):
     state = run_campaign(CampaignConfig(seed=seed, engine="gpu", profile="all", traces=320, workers=1, corpus=str(tmp_path)))
     assert state.traces == 320 and state.outside_envelope == 0
     assert state.errors == 0, state.first_error
+
+
+def test_a_profile_fixes_its_semantics_but_draws_pressured_sizes():
+    from fuzz.generate import profile_knobs
+
+    nano = profile_knobs("nano-vllm")
+    assert nano["batching"] == "prefill-first" and nano["cache_register"] == "computed"
+    for size in ("block_size", "max_num_batched_tokens", "max_num_seqs"):  # 256, 16,384, 512: drawn
+        assert size not in nano
+    assert profile_knobs("naive")["max_num_seqs"] == 1 and profile_knobs("sglang")["block_size"] == 1
+
+
+def test_a_nano_vllm_campaign_reaches_the_limits(tmp_path):
+    state = run_campaign(CampaignConfig(seed=0, engine="gpu", profile="nano-vllm", traces=300, workers=1,
+                                        corpus=str(tmp_path)))
+    assert state.errors == 0, state.first_error
+    covered = set(state.covered)
+    assert "RUN.CONTINUE_PREFILL_FIRST" in covered
+    assert any(r.startswith("PREEMPT.") for r in covered)
+    assert "CACHE.HIT" in covered
