@@ -38,7 +38,7 @@ from spec.costmodel import NS_PER_S, CostModel, StepShape
 from spec.formats import FIRST_SYNTHETIC_TOKEN, LIMITS, Trace, TraceRequest
 from spec.protocol import StepLimitError
 from spec.simulate import (BatchTracker, RequestTimes, SimResult, StallError, StepSample, arrival_ns, made_progress,
-                           output_time_ns)
+                           output_time_ns, record_outputs)
 
 ENGINES = ("spec", "gpu")
 CHECKS = ("sampled", "full", "off")
@@ -326,19 +326,8 @@ def simulate_fast(trace: Trace, cost: CostModel, engine, *, usable_blocks: int |
                 service[tenant_of[rid]] += n
         result.decode_tokens += shape.decode_seqs
         result.prefill_tokens += shape.prefill_tokens
-        itl = result.itl_ns
-        emitted = output_time_ns(record, now, end)  # async: when the step in flight ended
-        for rid in record.sampled:
-            t = times[rid]
-            if t.last_token_ns is None:
-                t.first_token_ns = emitted
-            else:
-                itl.append(emitted - t.last_token_ns)
-            t.last_token_ns = emitted
-            t.outputs += 1
-        for rid, why in record.finished:
-            t = times[rid]
-            t.outcome, t.finish_ns = why, emitted
+        record_outputs(record, times, result.itl_ns, output_time_ns(record, now, end))
+        for rid, _ in record.finished:
             running.pop(rid, None)
         in_system -= len(record.finished)
         result.steps += 1

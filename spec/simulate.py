@@ -195,6 +195,22 @@ def output_time_ns(record: StepRecord, start_ns: int, end_ns: int) -> int:
     return start_ns if record.outputs_step is not None else end_ns
 
 
+def record_outputs(record: StepRecord, times: dict, itl_ns: list, emitted_ns: int) -> None:
+    """Time a record's sampled tokens (first token, inter-token gaps) and its finishes at
+    ``emitted_ns`` (see :func:`output_time_ns`)."""
+    for rid in record.sampled:
+        t = times[rid]
+        if t.last_token_ns is None:
+            t.first_token_ns = emitted_ns
+        else:
+            itl_ns.append(emitted_ns - t.last_token_ns)
+        t.last_token_ns = emitted_ns
+        t.outputs += 1
+    for rid, why in record.finished:
+        t = times[rid]
+        t.outcome, t.finish_ns = why, emitted_ns
+
+
 def made_progress(record: StepRecord, ran: bool) -> bool:
     """Whether a step did anything: scheduled a batch, or (async) applied the outputs of the
     batch in flight — a step that only applies them schedules nothing yet frees memory and
@@ -285,20 +301,8 @@ def simulate(
             service[tenant_of[rid]] += n
         result.decode_tokens += shape.decode_seqs
         result.prefill_tokens += shape.prefill_tokens
-        itl = result.itl_ns
-        emitted = output_time_ns(record, now, end)
-        for rid in record.sampled:
-            t = times[rid]
-            if t.last_token_ns is None:
-                t.first_token_ns = emitted
-            else:
-                itl.append(emitted - t.last_token_ns)
-            t.last_token_ns = emitted
-            t.outputs += 1
-        for rid, why in record.finished:
-            t = times[rid]
-            t.outcome, t.finish_ns = why, emitted
-            running.discard(rid)
+        record_outputs(record, times, result.itl_ns, output_time_ns(record, now, end))
+        running.difference_update(rid for rid, _ in record.finished)
         in_system -= len(record.finished)
         result.steps += 1
         result.step_end_ns.append(end)
