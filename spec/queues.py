@@ -175,37 +175,19 @@ class AgingQueue:
         self._items.remove(req)
 
 
-class EDFQueue:
-    """Earliest TTFT deadline first (rule QUEUE.EDF): a binary heap on :func:`spec.slo.edf_key`.
+class EDFQueue(PriorityQueue):
+    """Earliest TTFT deadline first (rule QUEUE.EDF): the priority queue's heap, keyed by
+    :func:`spec.slo.edf_key`.
 
     A request's key changes only when it is deferred (SLO.DEFER) or samples a token, and
     only deferral happens while it waits, so the heap stays valid; :meth:`defer` re-pushes
     a request with its new key."""
-
-    def __init__(self) -> None:
-        self._heap: list[tuple] = []
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __iter__(self) -> Iterator:
-        return (entry[-1] for entry in sorted(self._heap, key=lambda e: e[:-1]))
 
     def add(self, req) -> None:
         heapq.heappush(self._heap, (*edf_key(req), req))
 
     prepend = add
     requeue_tail = add
-
-    def peek(self):
-        return self._heap[0][-1]
-
-    def pop(self):
-        return heapq.heappop(self._heap)[-1]
-
-    def remove(self, req) -> None:
-        self._heap = [e for e in self._heap if e[-1] is not req]
-        heapq.heapify(self._heap)
 
     def defer(self, req) -> None:
         """SLO.DEFER: ``req`` goes behind every request that was not deferred."""
