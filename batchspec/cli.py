@@ -407,6 +407,14 @@ def cmd_fuzz(args) -> int:
     return 1 if state.findings else 2 if state.errors else 0
 
 
+def cmd_triage_engines(args) -> int:
+    import fuzz.engines  # noqa: F401  (registers gpu, gpu-model, reference)
+    from fuzz.triage import triage_command
+
+    return triage_command(args.traces, args.engine_a, args.engine_b, args.profile, args.level,
+                          args.n_traces, args.seed, args.set, args.json)
+
+
 def cmd_replay(args) -> int:
     import fuzz.engines  # noqa: F401  (registers gpu, gpu-model, reference)
     from fuzz.replay import replay_command
@@ -541,6 +549,23 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--spec-log", metavar="FILE", help="write the spec's decision log (with reasons) here")
     rp.add_argument("--json", action="store_true", help="print the verdict as JSON")
     rp.set_defaults(fn=cmd_replay)
+
+    tg = command("triage-engines", "two engines on one trace set: the traces they decide differently, the first "
+                 "differing step, which one the spec agrees with under each profile, and the rule that separates them; "
+                 "exit 0 none differ, 1 some differ, 2 bad input")
+    tg.add_argument("traces", nargs="*", metavar="TRACES", help="trace files or directories of traces (*.jsonl)")
+    tg.add_argument("--engine-a", required=True, metavar="A", help=ENGINE_HELP + ", or a directory of decision logs "
+                    "(DIR/<trace stem>.log.jsonl)")
+    tg.add_argument("--engine-b", required=True, metavar="B", help="the other engine (as --engine-a)")
+    tg.add_argument("--profile", action="append", default=[], metavar="P", help="also judge by this profile: a name, "
+                    "or profile=NAME,KNOB=VALUE,... (repeatable; the trace's own profile is always judged)")
+    tg.add_argument("--traces", dest="n_traces", type=int_option(1, MAX_TRACES), default=None, metavar="N",
+                    help="also N seeded random traces (inside engine A's envelope)")
+    tg.add_argument("--seed", type=seed, default=0, help="seed of the random traces (default 0)")
+    tg.add_argument("--set", metavar="KNOB=VALUE,...", default="", help="knobs fixed in the random traces")
+    tg.add_argument("--level", choices=("decisions", "memory", "exact"), default="exact", help=LEVEL_HELP + " (default: exact)")
+    tg.add_argument("--json", action="store_true", help="print the report as JSON")
+    tg.set_defaults(fn=cmd_triage_engines)
 
     cf = command("conform", "conformance run: many random traces, agreement by feature area")
     cf.add_argument("--engine", default="vllm", metavar="ENGINE", help=ENGINE_HELP + " (default: vllm)")
