@@ -999,9 +999,12 @@ def _valid(cfg: CampaignConfig, k: int, envelope, fixed: set[str], options: dict
     the envelope's rotation or a profile combined into a refused combination (async with swap
     or an SLO policy, ...) is re-drawn from the campaign seed and trace number
     (:func:`fuzz.capabilities.repair`), so every worker count draws the same traces."""
-    from fuzz.capabilities import repair
+    from fuzz.capabilities import draws_request_features, repair
 
-    return repair(options, fixed, envelope, key=f"{cfg.seed}:{k}")
+    key = f"{cfg.seed}:{k}"
+    if "request_features" not in options and draws_request_features(envelope, key):
+        options = {**options, "request_features": True}  # a share of the traces, against an engine that has them
+    return repair(options, fixed, envelope, key=key)
 
 
 def _profile_takes(profile: str, knobs: dict[str, Any]) -> bool:

@@ -72,7 +72,12 @@ SAMPLES: dict[str, tuple] = {
     "max_num_seqs": (1, 2, 4, 16, 128),
     "max_num_batched_tokens": (4, 8, 16, 32, 64, 2048),
     "max_model_len": (24, 64, 128, 4096),
+    "max_num_active_seqs": (0, 1, 2, 4),  # 0: no limit below max_num_seqs (clipped to it by the generator)
 }
+
+#: The share of a campaign's traces that carry the request features vLLM's scheduler sees
+#: (``random_trace(..., request_features=True)``) against an engine that declares them.
+REQUEST_FEATURE_SHARE = 0.3
 
 
 class CapabilityError(ValueError):
@@ -116,6 +121,10 @@ class Envelope:
     everything: bool = False
     #: Where the declaration came from (shown in the campaign summary).
     source: str = ""
+    #: The engine implements the request features of :data:`fuzz.generate.REQUEST_FEATURES`
+    #: (skip_prefix_cache, cache_salt, min_tokens, client_arrival_time): campaigns draw them
+    #: in a share of the traces (:func:`draws_request_features`).
+    request_features: bool = False
 
     # -- membership ------------------------------------------------------------
 
@@ -172,21 +181,27 @@ class Envelope:
         """One line: ``profile naive; policy fcfs|priority; long_prefill_token_threshold 0..64`` (every
         other semantic knob at the profile's value; workload sizes drawn unless restricted)."""
         if self.everything:
-            return "every profile and knob value"
+            return "every profile and knob value" + ("; request features" if self.request_features else "")
         parts = [f"profile {self.profile}"]
         free = _free_knobs(self.profile)
         for knob, allowed in self.knobs.items():
             if knob in free and allowed == Range():
                 continue  # a workload size, drawn anyway
             parts.append(f"{knob} {allowed}" if isinstance(allowed, Range) else f"{knob} {'|'.join(map(_show, allowed))}")
+        if self.request_features:
+            parts.append("request features")
         return "; ".join(parts)
 
     def to_json(self) -> dict[str, Any]:
         if self.everything:
-            return {"format": FORMAT, "version": 1, "everything": True}
+            return {"format": FORMAT, "version": 1, "everything": True,
+                    **({"request_features": True} if self.request_features else {})}
         knobs = {k: ({"min": v.lo, "max": v.hi} if isinstance(v, Range) and (v.lo, v.hi) != (None, None)
                      else ANY if isinstance(v, Range) else list(v)) for k, v in self.knobs.items()}
-        return {"format": FORMAT, "version": 1, "profile": self.profile, "knobs": knobs}
+        out = {"format": FORMAT, "version": 1, "profile": self.profile, "knobs": knobs}
+        if self.request_features:
+            out["request_features"] = True
+        return out
 
     # -- drawing ---------------------------------------------------------------
 
@@ -346,13 +361,17 @@ def parse(obj: Any, where: str = "capabilities") -> Envelope:
         return obj
     if not isinstance(obj, Mapping):
         raise CapabilityError(f"{where}: expected an object {{\"profile\": ..., \"knobs\": {{...}}}}, got {obj!r}")
-    unknown = set(obj) - {"format", "version", "engine", "profile", "knobs", "everything", "description"}
+    unknown = set(obj) - {"format", "version", "engine", "profile", "knobs", "everything", "description",
+                          "request_features"}
     if unknown:
         raise CapabilityError(f"{where}: {sorted(unknown)[0]}: unknown field (known: profile, knobs, everything)")
     if "format" in obj and obj["format"] != FORMAT:
         raise CapabilityError(f"{where}: format: expected {FORMAT!r}, got {obj['format']!r}")
+    features = obj.get("request_features", False)
+    if not isinstance(features, bool):
+        raise CapabilityError(f"{where}: request_features: expected true or false, got {features!r}")
     if obj.get("everything"):
-        return dataclasses.replace(EVERYTHING, source=where)
+        return dataclasses.replace(EVERYTHING, source=where, request_features=features)
     profile = obj.get("profile", "vllm-v1")
     if profile not in PROFILES:
         raise CapabilityError(f"{where}: profile: unknown profile {profile!r} (known: {', '.join(sorted(PROFILES))})")
@@ -362,7 +381,7 @@ def parse(obj: Any, where: str = "capabilities") -> Envelope:
     knobs: dict[str, Allowed] = {}
     for knob, spec in raw.items():
         knobs[knob] = _allowed(knob, spec, f"{where}: knobs.{knob}")
-    return Envelope(profile, knobs, source=where)
+    return Envelope(profile, knobs, source=where, request_features=features)
 
 
 def _allowed(knob: str, spec: Any, where: str) -> Allowed:
@@ -423,7 +442,7 @@ def declared(obj: Any, where: str) -> Envelope | None:
 # -- the built-in engines ------------------------------------------------------------
 
 
-def _from_allow_list(supported: Mapping[str, Any], source: str) -> Envelope:
+def _from_allow_list(supported: Mapping[str, Any], source: str, request_features: bool = False) -> Envelope:
     """An envelope from an allow-list ``knob -> frozenset of values | None (any)`` whose other
     knobs must keep their ``vllm-v1`` defaults (gpu_engine's ``SUPPORTED``)."""
     knobs: dict[str, Allowed] = {}
@@ -437,21 +456,24 @@ def _from_allow_list(supported: Mapping[str, Any], source: str) -> Envelope:
             knobs[knob] = tuple(sorted(values, key=str))
     whole = all(k in knobs and (isinstance(v, Range) or _TYPES[k] is bool or set(v) >= set(KNOB_CHOICES.get(k, v)))
                 for k, v in ((k, knobs.get(k)) for k in _TYPES))
-    return dataclasses.replace(EVERYTHING, source=source) if whole else Envelope("vllm-v1", knobs, source=source)
+    if whole:
+        return dataclasses.replace(EVERYTHING, source=source, request_features=request_features)
+    return Envelope("vllm-v1", knobs, source=source, request_features=request_features)
 
 
 def _gpu() -> Envelope:
-    from gpu_engine.engine import SUPPORTED
+    from gpu_engine.engine import SUPPORTED, UNSUPPORTED_REQUEST_FIELDS
 
-    return _from_allow_list(SUPPORTED, "gpu_engine.engine.SUPPORTED")
+    return _from_allow_list(SUPPORTED, "gpu_engine.engine.SUPPORTED", request_features=not UNSUPPORTED_REQUEST_FIELDS)
 
 
 def _gpu_model() -> Envelope:
     """With its model gpu_engine schedules synchronously only (async_scheduling: scheduler-only mode)."""
-    from gpu_engine.engine import SUPPORTED
+    from gpu_engine.engine import SUPPORTED, UNSUPPORTED_REQUEST_FIELDS
 
     return _from_allow_list({k: v for k, v in SUPPORTED.items() if k != "async_scheduling"},
-                            "gpu_engine.engine.SUPPORTED, less async_scheduling (model mode)")
+                            "gpu_engine.engine.SUPPORTED, less async_scheduling (model mode)",
+                            request_features=not UNSUPPORTED_REQUEST_FIELDS)
 
 
 def _vllm() -> Envelope:
@@ -468,12 +490,22 @@ def _vllm() -> Envelope:
     return Envelope("vllm-v1", knobs, source="fuzz.vllm_adapter.MAPPED_KNOBS")
 
 
-BUILTIN = {"spec": lambda: dataclasses.replace(EVERYTHING, source="the spec itself"),
-           "reference": lambda: dataclasses.replace(EVERYTHING, source="the spec's decisions drive the model"),
+BUILTIN = {"spec": lambda: dataclasses.replace(EVERYTHING, source="the spec itself", request_features=True),
+           "reference": lambda: dataclasses.replace(EVERYTHING, source="the spec's decisions drive the model",
+                                                    request_features=True),
            "gpu": _gpu, "gpu-model": _gpu_model, "vllm": _vllm}
 
 #: The envelope of an engine that declares nothing: the generator's own vllm-v1 family.
 UNDECLARED = Envelope(everything=True, source="no declaration: the vllm-v1 family (every knob drawn)")
+
+
+def draws_request_features(envelope: Envelope, key: str) -> bool:
+    """Whether the campaign trace ``key`` (seed and trace number) carries the request features:
+    :data:`REQUEST_FEATURE_SHARE` of the traces against an engine that declares them, chosen
+    by a hash of ``key`` (the same traces for any worker count)."""
+    if not envelope.request_features:
+        return False
+    return random.Random(zlib.crc32(f"{key}:request_features".encode())).random() < REQUEST_FEATURE_SHARE
 
 
 def builtin(name: str) -> Envelope | None:

@@ -145,6 +145,10 @@ def _respect_vllm_limits(cfg: dict[str, Any], fixed: set[str]) -> None:
             cfg["max_num_batched_tokens"] = cfg["max_num_seqs"]
     if cfg.get("long_prefill_token_threshold", 0) > cfg["max_model_len"] and "long_prefill_token_threshold" not in fixed:
         cfg["long_prefill_token_threshold"] = cfg["max_model_len"]
+    if cfg.get("max_num_active_seqs", 0) > cfg["max_num_seqs"]:  # vLLM refuses more active than max_num_seqs
+        if "max_num_seqs" not in fixed:
+            cfg["max_num_seqs"] = min(cfg["max_num_active_seqs"], cfg["max_num_batched_tokens"])
+        cfg["max_num_active_seqs"] = min(cfg["max_num_active_seqs"], cfg["max_num_seqs"])
 
 
 #: Pool sizes the generator always draws (sized to the trace, tight on purpose), even for a profile.

@@ -87,3 +87,35 @@ def test_a_nano_vllm_campaign_reaches_the_limits(tmp_path):
     assert "RUN.CONTINUE_PREFILL_FIRST" in covered
     assert any(r.startswith("PREEMPT.") for r in covered)
     assert "CACHE.HIT" in covered
+
+
+def test_request_features_are_drawn_in_a_share_of_the_traces_of_an_engine_that_declares_them():
+    from fuzz.capabilities import REQUEST_FEATURE_SHARE, for_engine
+
+    assert for_engine("gpu").request_features and for_engine("spec").request_features
+    cfg = CampaignConfig(seed=0, engine="gpu", profile="all")
+    with_features = active = 0
+    fields = set()
+    for k, _, options in _draws(cfg, 400):
+        trace = random_trace(trace_seed(0, k), **{"max_steps": 500, **options})
+        config = resolve(trace.config)
+        active += 0 < config.max_num_active_seqs
+        if options.get("request_features"):
+            with_features += 1
+            fields |= {f for r in trace.requests for f in ("skip_prefix_cache", "cache_salt", "min_tokens",
+                                                           "client_arrival_time")
+                       if getattr(r, f) not in (None, False, 0)}
+        else:
+            assert not any(r.cache_salt or r.skip_prefix_cache or r.min_tokens for r in trace.requests)
+    assert 0.5 * REQUEST_FEATURE_SHARE * 400 < with_features < 1.5 * REQUEST_FEATURE_SHARE * 400
+    assert fields == {"skip_prefix_cache", "cache_salt", "min_tokens", "client_arrival_time"}
+    assert active > 0  # max_num_active_seqs is drawn (the envelope's rotation and the features' own draw)
+
+
+def test_an_engine_that_does_not_declare_request_features_never_gets_them():
+    from fuzz.capabilities import for_engine
+
+    envelope = for_engine("examples.toy_engine:ToyEngine")
+    assert not envelope.request_features
+    cfg = CampaignConfig(seed=0, engine="examples.toy_engine:ToyEngine")
+    assert not any(o.get("request_features") for _, _, o in _draws(cfg, 200))
