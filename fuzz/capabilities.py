@@ -541,3 +541,95 @@ def engine_factory(name: str):
     if name not in ENGINES:
         raise EngineUnavailable(f"unknown engine {name!r} (known: {', '.join(sorted(ENGINES))})")
     return ENGINES[name].factory
+
+
+# -- rules reachable in an envelope (issue 20 item 6) -----------------------------------
+
+
+def _positive(value: Any) -> bool:
+    return bool(value) and value > 0
+
+
+#: What a rule needs of its knobs (``Rule.knobs``) to fire: a knob -> the values it fires
+#: with (a tuple) or a test (a callable).  A rule not listed here, or one whose knob test
+#: cannot be decided, is counted as reachable.  ``request_features`` is the envelope's flag.
+RULE_NEEDS: dict[str, dict[str, Any]] = {
+    "QUEUE.EDF": {"policy": ("edf",)}, "EDF.AT_RISK_FIRST": {"policy": ("edf",)},
+    "SLO.DEFER": {"slo_admission": lambda v: v != "off"}, "SLO.REFUSE": {"slo_admission": lambda v: v != "off"},
+    "SLO.FEASIBLE": {"slo_admission": lambda v: v != "off"},
+    "PREEMPT.VICTIM_SLO_SLACK": {"preemption_victim": ("slo-slack",)},
+    "QUEUE.SPF": {"policy": ("spf",)}, "QUEUE.SPRPT": {"policy": ("sprpt",)},
+    "QUEUE.AGING": {"aging_steps": _positive, "policy": ("priority", "spf", "sprpt")},
+    "VTC.CHARGE": {"policy": ("vtc",)}, "VTC.LIFT": {"policy": ("vtc",)}, "VTC.PICK": {"policy": ("vtc",)},
+    "VTC.QUEUE": {"policy": ("vtc",)},
+    **{f"ASYNC.{name}": {"async_scheduling": (True,)} for name in (
+        "ABORT_DROPS_OUTPUT", "LAST_TOKEN_IN_FLIGHT", "OUTPUTS_NEXT_STEP", "PLACEHOLDER", "PLACEHOLDERS_COUNT",
+        "PREEMPT_ZEROES_PLACEHOLDERS", "STALE_OUTPUT")},
+    "ASYNC.CACHE_AFTER_OUTPUT": {"async_scheduling": (True,), "enable_prefix_caching": (True,)},
+    **{f"SWAP.{name}": {"preemption_mode": ("swap",)} for name in ("BEFORE_WAITING", "FALLBACK_RECOMPUTE", "IN", "OUT")},
+    "BATCH.PREFILL_FIRST": {"batching": ("prefill-first",)}, "BATCH.STATIC": {"batching": ("static",)},
+    "BATCH.MAX_NUM_SEQS_PER_STEP": {"max_num_seqs_scope": ("step",)},
+    "ADMIT.RESERVE_FULL": {"kv_reservation": ("full",)}, "ADMIT.RESERVE_SEQUENCE": {"kv_reservation": ("sequence",)},
+    "ADMIT.WATERMARK": {"watermark": _positive}, "ADMIT.NO_CHUNKING": {"enable_chunked_prefill": (False,)},
+    "ADMIT.MAX_NUM_ACTIVE_SEQS": {"max_num_active_seqs": _positive},
+    "ADMIT.CHUNK_ONLY_FIRST": {"prefill_chunking": ("first-continues",)},
+    "RUN.CONTINUE_PREFILL_FIRST": {"prefill_chunking": ("first-continues",)},
+    "BUDGET.LONG_PREFILL": {"long_prefill_token_threshold": _positive},
+    "BUDGET.LONG_PREFILL_ADAPTIVE": {"long_prefill_token_threshold": _positive,
+                                     "long_prefill_token_threshold_adaptive": (True,)},
+    **{f"CACHE.{name}": {"enable_prefix_caching": (True,)} for name in ("EVICT_LRU", "HIT", "TOUCH")},
+    # CACHE.BLOCK_HASH: block hashes are computed without prefix caching too (counted everywhere)
+    "CACHE.SALT": {"enable_prefix_caching": (True,), "request_features": (True,)},
+    "CACHE.SKIP_READ": {"enable_prefix_caching": (True,), "request_features": (True,)},
+    "CACHE.LATEST_WINS": {"enable_prefix_caching": (True,), "cache_duplicates": ("latest",)},
+    "CACHE.REGISTER_AT_ALLOCATION": {"enable_prefix_caching": (True,), "cache_register": ("allocation",)},
+    "CACHE.REGISTER_WHEN_COMPUTED": {"enable_prefix_caching": (True,), "cache_register": ("computed",)},
+    "KV.FREE_TO_TAIL": {"free_block_order": ("tail",)},
+    "ESTIMATE.ADMIT": {"admission": ("estimate",)}, "ESTIMATE.RATIO": {"admission": ("estimate",)},
+    "ESTIMATE.REMAINING": {"admission": ("estimate",)}, "RETRACT.TO_TAIL": {"admission": ("estimate",)},
+    "RETRACT.VICTIM_FEWEST_OUTPUTS": {"admission": ("estimate",)},
+}
+
+#: Values tried for a numeric knob that is drawn freely or declared as a range.
+_PROBES = (0, 0.05, 1, 2, 8, 1 << 20)
+
+
+def knob_can(envelope: Envelope, knob: str, test: Any, profile: str | None = None,
+             fixed: Mapping[str, Any] | None = None) -> bool:
+    """Whether a campaign against ``envelope`` (over ``profile``, with ``fixed`` knobs from
+    ``--set``) can draw a value of ``knob`` that passes ``test`` (values, or a callable)."""
+    ok = test if callable(test) else (lambda v: v in test)
+    if knob == "request_features":
+        return ok(envelope.request_features)
+    if fixed and knob in fixed:
+        return ok(fixed[knob])
+    if profile not in (None, "all"):
+        from fuzz.generate import profile_knobs
+
+        pinned = profile_knobs(profile)
+        if knob in pinned:
+            return ok(pinned[knob])
+    kind = _TYPES[knob]
+    if kind is bool:
+        values: Iterable = (False, True)
+    elif knob in KNOB_CHOICES:
+        values = KNOB_CHOICES[knob]
+    elif not envelope.everything and knob in envelope.knobs and not isinstance(envelope.knobs[knob], Range):
+        values = envelope.knobs[knob]
+    else:
+        allowed = envelope.knobs.get(knob, Range()) if not envelope.everything else Range()
+        values = [kind(v) for v in (*_PROBES, allowed.lo, allowed.hi) if v is not None and v in allowed]
+    return any(envelope.allows(knob, v) and ok(v) for v in values)
+
+
+def reachable_rules(envelope: Envelope, rule_ids: Iterable[str], profile: str | None = None,
+                    fixed: Mapping[str, Any] | None = None) -> list[str]:
+    """The rules of ``rule_ids`` a campaign against ``envelope`` can fire: each knob a rule
+    needs (:data:`RULE_NEEDS`) can take a value it fires with.  A rule whose needs are not
+    known is counted."""
+    out = []
+    for rule_id in rule_ids:
+        needs = RULE_NEEDS.get(rule_id, {})
+        if all(knob_can(envelope, knob, test, profile, fixed) for knob, test in needs.items()):
+            out.append(rule_id)
+    return sorted(out)

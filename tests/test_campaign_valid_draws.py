@@ -119,3 +119,38 @@ def test_an_engine_that_does_not_declare_request_features_never_gets_them():
     assert not envelope.request_features
     cfg = CampaignConfig(seed=0, engine="examples.toy_engine:ToyEngine")
     assert not any(o.get("request_features") for _, _, o in _draws(cfg, 200))
+
+
+def test_rule_coverage_counts_only_the_rules_the_envelope_can_fire(tmp_path):
+    from fuzz.capabilities import for_engine, reachable_rules
+
+    gpu = set(reachable_rules(for_engine("gpu"), RULES, "all"))
+    assert {"QUEUE.EDF", "EDF.AT_RISK_FIRST", "SLO.DEFER", "PREEMPT.VICTIM_SLO_SLACK"}.isdisjoint(gpu)  # no edf
+    assert {"QUEUE.SPRPT", "VTC.PICK", "SWAP.OUT", "ASYNC.PLACEHOLDER", "CACHE.HIT"} <= gpu
+    assert set(reachable_rules(for_engine("spec"), RULES, "all")) == set(RULES)
+    toy = set(reachable_rules(for_engine("examples.toy_engine:ToyEngine"), RULES))
+    assert not any(r.startswith(("CACHE.", "SWAP.", "ASYNC.", "VTC.", "QUEUE.EDF")) for r in toy - {"CACHE.BLOCK_HASH"})  # FCFS/priority, no cache
+    assert {"ADMIT.NEW", "QUEUE.FCFS", "RUN.DECODE"} <= toy
+    # what a campaign fires lies inside what was counted as reachable
+    for engine, profile, reachable in (("gpu", "all", gpu), ("examples.toy_engine:ToyEngine", None, toy)):
+        state = run_campaign(CampaignConfig(seed=1, engine=engine, profile=profile, traces=200, workers=1,
+                                            corpus=str(tmp_path / engine.replace(":", "_"))))
+        assert state.errors == 0, state.first_error
+        assert set(state.covered) <= reachable, sorted(set(state.covered) - reachable)
+    nano = set(reachable_rules(for_engine("gpu"), RULES, "nano-vllm"))
+    assert "RUN.CONTINUE_PREFILL_FIRST" in nano and "QUEUE.SPF" not in nano and "BATCH.STATIC" not in nano
+
+
+def test_the_fuzz_summary_states_coverage_over_the_reachable_rules(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "batchspec.cli", "fuzz", "--engine", "gpu", "--traces", "24", "--workers", "1",
+                          "--corpus", str(tmp_path / "c")], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    from fuzz.capabilities import for_engine, reachable_rules
+
+    n = len(reachable_rules(for_engine("gpu"), RULES, "all"))
+    assert f"the {n} of {len(RULES)} its envelope can fire" in text
+    assert "QUEUE.EDF" not in text and "harness" not in out.stderr
