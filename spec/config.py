@@ -528,8 +528,21 @@ VLLM_V1_ASYNC = _derived(
     async_scheduling=True,
 )
 
+VLLM_V1_033 = _derived(
+    "vllm-v1-0.33", "0.33.0", "vLLM 0.33's V1 scheduler, synchronous scheduling: vllm-v1 (0.32) except that under the "
+    "priority policy a running request that preempts itself no longer ends the running phase — the requests after it "
+    "(higher priority) are still scheduled",
+    ("vllm/v1/core/sched/scheduler.py Scheduler.schedule (0.33.0: `continue` after a priority self-preemption), "
+     "docs/reference/vllm-v1.md section \"0.32 -> 0.33\" for every scheduler change between the two releases",),
+    {**VLLM_V1.fixed,
+     "priority_self_preempt": "continue (0.33.0; 0.32.0 stops: profile vllm-v1)",
+     "prefill_schedule_interval": "1: 0.33 applies an interval > 1 locally too (no prefill cadence at 1)"},
+    priority_self_preempt="continue",
+)
+
 PROFILES: dict[str, Profile] = {p.name: p for p in (VLLM_V1, NAIVE, STATIC, VLLM_V0, ORCA, TGI, VLLM_V0_SWAP, SGLANG,
-                                                    VTC, PRIORITY_AGING, SPF_AGING, NANO_VLLM, VLLM_V1_ASYNC)}
+                                                    VTC, PRIORITY_AGING, SPF_AGING, NANO_VLLM, VLLM_V1_ASYNC,
+                                                    VLLM_V1_033)}
 
 _SLO_FIXED = {
     "targets": "per request (ttft_slo, tpot_slo) or by class (the header's slo_classes); in steps, timed traces' "
