@@ -418,7 +418,7 @@ def cmd_triage_engines(args) -> int:
     from fuzz.triage import triage_command
 
     return triage_command(args.traces, args.engine_a, args.engine_b, args.profile, args.level,
-                          args.n_traces, args.seed, args.set, args.json)
+                          args.n_traces, args.seed, args.set, args.json, args.save_logs)
 
 
 def cmd_replay(args) -> int:
@@ -571,6 +571,9 @@ def build_parser() -> argparse.ArgumentParser:
     tg.add_argument("--set", metavar="KNOB=VALUE,...", default="", help="knobs fixed in the random traces")
     tg.add_argument("--level", choices=("decisions", "memory", "exact"), default="exact", help=LEVEL_HELP + " (default: exact)")
     tg.add_argument("--json", action="store_true", help="print the report as JSON")
+    tg.add_argument("--save-logs", metavar="DIR", help="write each trace to DIR/traces/ and the engines' decision logs "
+                    "to DIR/a/ and DIR/b/ (read back by --engine-a DIR/a: compare engines that cannot share a process, "
+                    "e.g. two vLLM releases)")
     tg.set_defaults(fn=cmd_triage_engines)
 
     cf = command("conform", "conformance run: many random traces, agreement by feature area")

@@ -184,10 +184,13 @@ def judge(trace: Trace, a: list[StepRecord], b: list[StepRecord], div: Divergenc
 
 
 def triage_trace(trace: Trace, name: str, engine_a: str, engine_b: str, choices: list[ProfileChoice],
-                 level: str = "exact") -> TraceDiff | None:
-    """The first difference between the two engines on ``trace`` with the spec's verdicts, or None."""
+                 level: str = "exact", save: str | None = None) -> TraceDiff | None:
+    """The first difference between the two engines on ``trace`` with the spec's verdicts, or None.
+    ``save``: write the trace to ``SAVE/traces/`` and each engine's log to ``SAVE/a/``, ``SAVE/b/``."""
     a, a_err = engine_log(engine_a, trace, name)
     b, b_err = engine_log(engine_b, trace, name)
+    if save:
+        save_logs(save, trace, name, {"a": (engine_a, a), "b": (engine_b, b)}, level)
     div = first_divergence(a, b, level, engine="b")
     if div is None and a_err != b_err:
         step = len(a) if a_err else len(b)
@@ -198,6 +201,33 @@ def triage_trace(trace: Trace, name: str, engine_a: str, engine_b: str, choices:
     own = ProfileChoice("", None)
     verdicts = [judge(trace, a, b, div, c, level) for c in [own, *choices]]
     return TraceDiff(name, div, verdicts, separating_rule(verdicts))
+
+
+def save_logs(folder: str, trace: Trace, name: str, logs: dict[str, tuple[str, list[StepRecord]]], level: str) -> None:
+    """The trace and both decision logs, in the layout ``--engine-a DIR`` reads back
+    (``FOLDER/a/<name>.log.jsonl``; the trace in ``FOLDER/traces/<name>.jsonl``)."""
+    from spec.formats import DecisionLog
+    from spec.io import write_log, write_trace
+
+    trace_path = Path(folder) / "traces" / f"{name}.jsonl"
+    trace_path.parent.mkdir(parents=True, exist_ok=True)
+    write_trace(trace, trace_path)
+    for side, (engine, records) in logs.items():
+        path = Path(folder) / side / f"{name}.log.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_log(DecisionLog(_engine_label(engine), level, records, trace=str(trace_path), config=trace.config), path)
+
+
+def _engine_label(engine: str) -> str:
+    """The engine name a saved log carries (``vllm`` says which release)."""
+    if engine.startswith("vllm"):
+        try:
+            from fuzz.vllm_adapter import installed_release
+
+            return f"{engine}-{installed_release()}"
+        except Exception:
+            return engine
+    return Path(engine).name if is_log_dir(engine) else engine
 
 
 def _show(value: Any) -> str:
@@ -227,10 +257,10 @@ def describe(diff: TraceDiff, engine_a: str, engine_b: str) -> str:
     return "\n".join(lines)
 
 
-def gather_traces(paths: list[str], n_traces: int | None, seed: int, knobs: dict[str, Any],
-                  engine_a: str) -> list[tuple[str, Trace]]:
+def gather_traces(paths: list[str], n_traces: int | None, seed: int, knobs: dict[str, Any]) -> list[tuple[str, Trace]]:
     """The trace set: files, directories of traces (their ``*.jsonl``), and ``n_traces`` seeded
-    random traces (``random-<seed>``; inside engine A's envelope unless ``knobs`` fix the draw)."""
+    random traces ``random-<seed>`` = ``random_trace(seed, **knobs)``, the same whatever the engines
+    (so that logs recorded in two environments line up)."""
     from fuzz.corpus import corpus_traces
     from spec.io import load_trace
 
@@ -244,29 +274,16 @@ def gather_traces(paths: list[str], n_traces: int | None, seed: int, knobs: dict
     if n_traces:
         from fuzz.generate import random_trace
 
-        envelope = None
-        if not knobs and not is_log_dir(engine_a):
-            try:
-                from fuzz.capabilities import for_engine
-
-                envelope = for_engine(engine_a, None)
-            except Exception:  # an engine without a declared envelope: the generator's own draws
-                envelope = None
         for s in range(seed, seed + n_traces):
-            if knobs:
-                trace = random_trace(s, **knobs)
-            else:
-                from fuzz.conform import trace_for
-
-                trace = trace_for(s, envelope)
-            out.append((f"random-{s}", trace))
+            out.append((f"random-{s}", random_trace(s, **knobs)))
     if not out:
         raise TriageInputError("TRACES: give trace files, directories of traces, or --traces N")
     return out
 
 
 def triage_command(paths: list[str], engine_a: str, engine_b: str, profiles: list[str], level: str = "exact",
-                   n_traces: int | None = None, seed: int = 0, knob_text: str = "", json_out: bool = False) -> int:
+                   n_traces: int | None = None, seed: int = 0, knob_text: str = "", json_out: bool = False,
+                   save: str | None = None) -> int:
     """``batchspec triage-engines``: exit 0 no trace differs, 1 some differ, 2 bad input."""
     import json
     import sys
@@ -279,10 +296,10 @@ def triage_command(paths: list[str], engine_a: str, engine_b: str, profiles: lis
     try:
         choices = [parse_profile(p) for p in profiles]
         knobs = parse_knob_settings(knob_text, "--set")
-        traces = gather_traces(paths, n_traces, seed, knobs, engine_a)
+        traces = gather_traces(paths, n_traces, seed, knobs)
         diffs = []
         for name, trace in traces:
-            d = triage_trace(trace, name, engine_a, engine_b, choices, level)
+            d = triage_trace(trace, name, engine_a, engine_b, choices, level, save)
             if d is not None:
                 diffs.append(d)
     except (TriageInputError, OptionError, FormatError, ConfigError, LevelError, EngineUnavailable,
