@@ -29,3 +29,20 @@ def spec_continue(trace: Trace):
     from spec.scheduler import SpecEngine
 
     return SpecEngine.from_trace(_with(trace, priority_self_preempt="continue"))
+
+
+def gpu_crashes_at_step_3(trace: Trace):
+    """``gpu_engine`` that raises in its fourth ``step()``: a crash is a difference too."""
+    from gpu_engine.engine import GpuEngine
+
+    engine = GpuEngine.from_trace(trace, log_state=True)
+    step, calls = engine.step, [0]
+
+    def crashing_step():
+        calls[0] += 1
+        if calls[0] == 4:
+            raise RuntimeError("planted crash")
+        return step()
+
+    engine.step = crashing_step
+    return engine

@@ -87,9 +87,9 @@ class TraceDiff:
     separating: str | None = None  # the rule that separates the engines (see :func:`separating_rule`)
 
 
-def run_engine(trace: Trace, engine: str) -> tuple[list[StepRecord], str | None]:
+def run_engine(trace: Trace, engine: str) -> tuple[list[StepRecord], tuple[int, str] | None]:
     """``engine``'s decision log on ``trace`` (driven as :func:`spec.protocol.drive` does), and the
-    error text if it raised while the trace was driven (the records stop there)."""
+    step and error text if it raised while the trace was driven (the records stop there)."""
     max_steps = resolve(trace.config).max_steps
     side = Stepper(make_engine(engine, trace), trace)
     records: list[StepRecord] = []
@@ -97,7 +97,7 @@ def run_engine(trace: Trace, engine: str) -> tuple[list[StepRecord], str | None]
         while (k := side.next_step()) is not None and k < max_steps:
             records.append(side.run_step())
     except SideError as e:
-        return records, f"raised at step {e.step}: {e.text}"
+        return records, (e.step, f"raised {e.text}")
     return records, None
 
 
@@ -113,7 +113,7 @@ def is_log_dir(engine: str) -> bool:
     return os.path.isdir(engine) and engine not in ENGINES
 
 
-def engine_log(engine: str, trace: Trace, name: str) -> tuple[list[StepRecord], str | None]:
+def engine_log(engine: str, trace: Trace, name: str) -> tuple[list[StepRecord], tuple[int, str] | None]:
     """The decision log of ``engine`` on the trace called ``name``: recorded (a directory) or run."""
     if is_log_dir(engine):
         from spec.io import load_log
@@ -191,11 +191,14 @@ def triage_trace(trace: Trace, name: str, engine_a: str, engine_b: str, choices:
     b, b_err = engine_log(engine_b, trace, name)
     if save:
         save_logs(save, trace, name, {"a": (engine_a, a), "b": (engine_b, b)}, level)
-    div = first_divergence(a, b, level, engine="b")
-    if div is None and a_err != b_err:
-        step = len(a) if a_err else len(b)
-        div = Divergence(a[-1].step + 1 if a_err and a else (b[-1].step + 1 if b else step), "raised",
-                         a_err or "ran", b_err or "ran", kind="error", engine="b")
+    crash = min((e[0] for e in (a_err, b_err) if e is not None), default=None)
+    if crash is None:
+        div = first_divergence(a, b, level, engine="b")
+    else:  # compare up to the step one side raised at; agreeing that far, the crash is the difference
+        div = first_divergence([r for r in a if r.step < crash], [r for r in b if r.step < crash], level, engine="b")
+        if div is None and a_err != b_err:
+            div = Divergence(crash, "raised", a_err[1] if a_err else "ran", b_err[1] if b_err else "ran",
+                             kind="error", engine="b")
     if div is None:
         return None
     own = ProfileChoice("", None)
@@ -228,6 +231,14 @@ def _engine_label(engine: str) -> str:
         except Exception:
             return engine
     return Path(engine).name if is_log_dir(engine) else engine
+
+
+def _sides_json(div: Divergence) -> dict[str, Any]:
+    """The divergence as JSON with the two values under ``a`` and ``b`` (not ``spec``/engine)."""
+    out = div.to_json()
+    out["a"], out["b"] = out.pop("spec"), out.pop(div.engine)
+    out.pop("rule", None), out.pop("reason", None)  # engine A's own reasons, if any: the verdicts carry the spec's
+    return out
 
 
 def _show(value: Any) -> str:
@@ -308,7 +319,7 @@ def triage_command(paths: list[str], engine_a: str, engine_b: str, profiles: lis
         return 2
     if json_out:
         print(json.dumps({"engine_a": engine_a, "engine_b": engine_b, "level": level, "traces": len(traces),
-                          "differ": [{"trace": d.name, **d.divergence.to_json(),
+                          "differ": [{"trace": d.name, **_sides_json(d.divergence),
                                       "separating_rule": d.separating,
                                       "verdicts": [{k: v for k, v in dataclasses.asdict(v).items()
                                                     if k not in ("config", "reasons")} for v in d.verdicts]} for d in diffs]},

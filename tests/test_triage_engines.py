@@ -59,6 +59,12 @@ def test_cli_exit_codes_and_recorded_logs(tmp_path):
     out = run(one, "--engine-a", "gpu", "--engine-b", B, "--profile", CONTINUE)
     assert out.returncode == 1, out.stderr
     assert "first difference at step" in out.stdout and "separating rule: RUN.PREEMPT_FOR_BLOCKS" in out.stdout
+    out = run(one, "--engine-a", "gpu", "--engine-b", B, "--profile", CONTINUE, "--json")
+    report = __import__("json").loads(out.stdout)
+    (diff,) = report["differ"]
+    assert diff["step"] == 2 and diff["a"] == [] and diff["b"] == [["B", 1]]
+    assert diff["separating_rule"] == "RUN.PREEMPT_FOR_BLOCKS"
+    assert [v["agrees_with"] for v in diff["verdicts"]] == ["a", "b"]
     # engine A as a directory of recorded logs: the corpus keeps vLLM 0.32's log of this trace
     out = run(one, "--engine-a", "tests/corpus/vllm", "--engine-b", "gpu")
     assert out.returncode == 0, out.stdout + out.stderr
@@ -66,3 +72,14 @@ def test_cli_exit_codes_and_recorded_logs(tmp_path):
     assert bad.returncode == 2 and "no-such-profile" in bad.stderr
     missing = run(one, "--engine-a", str(tmp_path), "--engine-b", "gpu")
     assert missing.returncode == 2 and "no decision log" in missing.stderr
+
+
+def test_a_crash_is_a_difference_at_its_step(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    from spec.io import load_trace
+
+    trace = load_trace(ROOT / "tests/corpus/vllm-priority-self-preempt.jsonl", steps=True)
+    d = triage_trace(trace, "t", "gpu", "examples.triage_engines:gpu_crashes_at_step_3", [])
+    assert d is not None and d.divergence.kind == "error" and d.divergence.step == 3
+    assert d.divergence.spec_value == "ran" and "planted crash" in d.divergence.engine_value
+    assert d.verdicts[0].agrees_with == "a"
