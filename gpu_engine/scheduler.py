@@ -448,6 +448,19 @@ class Scheduler:
         if not self.register_computed:
             self._cache_blocks(slots, upto_tokens)
 
+    def _allocate_cached(self, slots: Array, need: Array, upto_tokens: Array) -> None:
+        """:meth:`_allocate` then :meth:`_cache_allocated` for ``slots``.  Under
+        cache_duplicates="latest" with registration at allocation, one request's registration
+        can take a hash from a free cached block that a later request of the same call then
+        pops (so popping it evicts nothing): the requests go one at a time, in order."""
+        if not (self.pool.latest_wins and not self.register_computed and len(slots) > 1):
+            self._allocate(slots, need)
+            self._cache_allocated(slots, upto_tokens)
+            return
+        for j in range(len(slots)):
+            self._allocate(slots[j:j + 1], need[j:j + 1])
+            self._cache_allocated(slots[j:j + 1], upto_tokens[j:j + 1])
+
     def _cache_computed(self, batch: Batch) -> None:
         """CACHE.REGISTER_WHEN_COMPUTED: after the step, each request of the batch (batch
         order) registers every block full of computed tokens, before finished requests free."""
@@ -637,8 +650,7 @@ class Scheduler:
         if not count:
             return empty, empty, budget
         adm, n, comp = cand[:count], n[:count], comp[:count]
-        self._allocate(adm, need[:count])
-        self._cache_allocated(adm, xp.minimum(xp.minimum(comp, c.max_model_len) + n, ntok[:count]))
+        self._allocate_cached(adm, need[:count], xp.minimum(xp.minimum(comp, c.max_model_len) + n, ntok[:count]))
         self.status[adm] = RUNNING
         self.swap_key[adm] = INF_KEY
         self.cpu_free += xp.total(self.cpu_blocks[adm])
@@ -724,8 +736,7 @@ class Scheduler:
             f = F.first_overflow(need, self.pool.num_free)
             take = xp.nonzero(n[:f] > 0)
             ts, tn = seg[take], n[take]
-            self._allocate(ts, need[take])
-            self._cache_allocated(ts, xp.minimum(comp[take] + tn, ntok[take]))
+            self._allocate_cached(ts, need[take], xp.minimum(comp[take] + tn, ntok[take]))
             seg_slots.append(ts)
             seg_n.append(tn)
             budget -= xp.total(tn)
@@ -789,13 +800,15 @@ class Scheduler:
         comp = ntok - ones
         need = F.block_demand(comp, ones, self.num_blocks[run], self.bs, self.config.max_model_len)
         grow = xp.nonzero(need)
-        if len(grow):
-            need = need[grow]
-            total = xp.total(need)
-            if total > self.pool.num_free:
-                return None
-            self._allocate(run[grow], need, total)
-        self._cache_allocated(run, ntok)
+        total = xp.total(need[grow]) if len(grow) else 0
+        if total > self.pool.num_free:
+            return None
+        if self.pool.latest_wins:
+            self._allocate_cached(run, need, ntok)
+        else:
+            if total:
+                self._allocate(run[grow], need[grow], total)
+            self._cache_allocated(run, ntok)
         self._steady_batch = (ntok, comp, all_true)
         return run, ones, budget - len(run), []
 
@@ -975,9 +988,8 @@ class Scheduler:
                     i += k
         self.num_blocks[adm] = nhit
         self.num_cached_blocks[adm] = nhit
-        self._allocate(adm, need - evictable)
         hit_tokens = nhit * self.bs
-        self._cache_allocated(adm, xp.minimum(hit_tokens + n, ntok))
+        self._allocate_cached(adm, need - evictable, xp.minimum(hit_tokens + n, ntok))
         was = xp.to_list(self.status[adm])
         self.status[adm] = RUNNING
         self.num_computed_tokens[adm] = hit_tokens
