@@ -159,18 +159,25 @@ def _number_checks(schema: dict) -> list[Check]:
     return out
 
 
-def _string_checks(schema: dict) -> list[Check]:
-    out: list[Check] = []
-    lo, hi, pattern = schema.get("minLength"), schema.get("maxLength"), schema.get("pattern")
-    if lo is not None or hi is not None:
-        def check_length(v, p):
-            if isinstance(v, str):
-                if lo is not None and len(v) < lo:
-                    raise SchemaError(p, "minLength", f"{v!r} should be non-empty" if lo == 1 else f"{v!r} is too short", v, lo)
-                if hi is not None and len(v) > hi:
-                    raise SchemaError(p, "maxLength", f"{v!r} is too long", v, hi)
+def _size_check(schema: dict, kind: type, min_key: str, max_key: str) -> list[Check]:
+    """``minLength``/``maxLength`` (strings) or ``minItems``/``maxItems`` (arrays)."""
+    lo, hi = schema.get(min_key), schema.get(max_key)
+    if lo is None and hi is None:
+        return []
 
-        out.append(check_length)
+    def check_size(v, p):
+        if isinstance(v, kind):
+            if lo is not None and len(v) < lo:
+                raise SchemaError(p, min_key, f"{v!r} should be non-empty" if lo == 1 else f"{v!r} is too short", v, lo)
+            if hi is not None and len(v) > hi:
+                raise SchemaError(p, max_key, f"{v!r} is too long", v, hi)
+
+    return [check_size]
+
+
+def _string_checks(schema: dict) -> list[Check]:
+    out = _size_check(schema, str, "minLength", "maxLength")
+    pattern = schema.get("pattern")
     if pattern is not None:
         regex = re.compile(pattern)
 
@@ -183,17 +190,7 @@ def _string_checks(schema: dict) -> list[Check]:
 
 
 def _array_checks(schema: dict) -> list[Check]:
-    out: list[Check] = []
-    lo, hi = schema.get("minItems"), schema.get("maxItems")
-    if lo is not None or hi is not None:
-        def check_count(v, p):
-            if isinstance(v, list):
-                if lo is not None and len(v) < lo:
-                    raise SchemaError(p, "minItems", f"{v!r} should be non-empty" if lo == 1 else f"{v!r} is too short", v, lo)
-                if hi is not None and len(v) > hi:
-                    raise SchemaError(p, "maxItems", f"{v!r} is too long", v, hi)
-
-        out.append(check_count)
+    out = _size_check(schema, list, "minItems", "maxItems")
     prefix = [compile_schema(s) for s in schema.get("prefixItems", [])]
     items = compile_schema(schema["items"]) if isinstance(schema.get("items"), dict) else None
     if prefix or items:
