@@ -15,7 +15,7 @@ from rich.console import Console
 
 from batchspec.render import readable
 from spec.config import PROFILES, ConfigError
-from spec.formats import DecisionLog
+from spec.formats import LEVELS, DecisionLog
 from spec.io import FormatError, OptionError, check_outputs, load_trace, write_log
 from spec.protocol import StepLimitError
 from spec.invariants import InvariantViolation
@@ -56,6 +56,11 @@ ENGINE_HELP = ("engine under test: gpu (the built-in engine, scheduler only), gp
                "reference (the tiny PyTorch model), vllm (vLLM's own scheduler, extra `vllm`), spec, "
                "or MODULE:FACTORY, a callable that makes an engine from a trace, importable from the working directory, e.g. examples.toy_engine:ToyEngine (docs/engine-guide.md)")
 LEVEL_HELP = "what is compared: decisions (batches, admissions, finishes), memory (+ block counts), exact (+ block ids)"
+
+
+def _level_option(parser) -> None:
+    """``--level``: the comparison level of the commands that compare two logs."""
+    parser.add_argument("--level", choices=LEVELS, default="exact", help=LEVEL_HELP + " (default: exact)")
 
 
 def _version() -> str:
@@ -549,7 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp = command("replay", "replay a trace through the spec and an engine; exit 0 agree, 1 diverge, 2 bad input")
     rp.add_argument("trace", help="trace file (JSON lines)")
     rp.add_argument("--engine", default="gpu", metavar="ENGINE", help=ENGINE_HELP + " (default: gpu)")
-    rp.add_argument("--level", choices=("decisions", "memory", "exact"), default="exact", help=LEVEL_HELP + " (default: exact)")
+    _level_option(rp)
     rp.add_argument("--engine-log", metavar="FILE", help="compare this decision log (written by any engine) instead of running one")
     rp.add_argument("--log", metavar="FILE", help="write the engine's decision log here")
     rp.add_argument("--spec-log", metavar="FILE", help="write the spec's decision log (with reasons) here")
@@ -569,7 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also N seeded random traces (inside engine A's envelope)")
     tg.add_argument("--seed", type=seed, default=0, help="seed of the random traces (default 0)")
     tg.add_argument("--set", metavar="KNOB=VALUE,...", default="", help="knobs fixed in the random traces")
-    tg.add_argument("--level", choices=("decisions", "memory", "exact"), default="exact", help=LEVEL_HELP + " (default: exact)")
+    _level_option(tg)
     tg.add_argument("--json", action="store_true", help="print the report as JSON")
     tg.add_argument("--save-logs", metavar="DIR", help="write each trace to DIR/traces/ and the engines' decision logs "
                     "to DIR/a/ and DIR/b/ (read back by --engine-a DIR/a: compare engines that cannot share a process, "
@@ -580,7 +585,7 @@ def build_parser() -> argparse.ArgumentParser:
     cf.add_argument("--engine", default="vllm", metavar="ENGINE", help=ENGINE_HELP + " (default: vllm)")
     cf.add_argument("--traces", type=int_option(1, MAX_TRACES), default=2000, metavar="N", help="random traces to run (default 2000)")
     cf.add_argument("--seed", type=seed, default=0, help="seed of the random traces (default 0)")
-    cf.add_argument("--level", choices=("decisions", "memory", "exact"), default="exact", help=LEVEL_HELP + " (default: exact)")
+    _level_option(cf)
     cf.add_argument("--workers", type=workers, default=None, metavar="N", help="worker processes (default: all cores)")
     cf.add_argument("--json", metavar="FILE", help="write the report as JSON here")
     cf.add_argument("--markdown", action="store_true", help="print the summary as a Markdown table")
@@ -595,7 +600,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     fz = command("fuzz", "differential fuzz campaign: random traces through the spec and an engine")
     fz.add_argument("--engine", default="gpu", metavar="ENGINE", help=ENGINE_HELP + " (default: gpu)")
-    fz.add_argument("--level", choices=("decisions", "memory", "exact"), default="exact", help=LEVEL_HELP + " (default: exact)")
+    _level_option(fz)
     fz.add_argument("--traces", type=int_option(1, MAX_TRACES), metavar="N",
                     help="trace budget for this shard (default 200 when no --seconds)")
     fz.add_argument("--seconds", type=float_option(0, MAX_SECONDS), metavar="S", help="time budget in seconds (> 0)")
