@@ -453,24 +453,37 @@ class VllmEngine:
         return record
 
     def _memory(self, record: StepRecord) -> None:
-        """Fill the memory and exact levels from the KV manager, at the end of the step."""
-        tables = {}
-        for request in self.scheduler.running:
-            ids = list(self.kv.get_block_ids(request.request_id)[0])
-            if ids:
-                tables[request.request_id] = ids
-        record.num_free_blocks = self.pool.get_num_free_blocks()
-        record.blocks = {rid: len(ids) for rid, ids in tables.items()}
-        record.block_ids = tables
+        memory_fields(self.scheduler, record)
 
     def _finish_reason(self, request) -> str:
-        """vLLM's finished status, split the way spec.formats names finish reasons."""
-        status = request.status
-        if status == self._status.FINISHED_STOPPED:
-            return FINISH_STOP_TOKEN if request.stop_reason is not None else FINISH_EOS
-        if status == self._status.FINISHED_LENGTH_CAPPED:
-            return FINISH_MAX_MODEL_LEN if request.num_tokens >= self.config.max_model_len else FINISH_MAX_TOKENS
-        return str(status.name).lower()  # anything else is unexpected for plain text: show it as is
+        return finish_reason(request, self.config.max_model_len)
+
+
+def memory_fields(scheduler, record: StepRecord, rename=lambda rid: rid) -> None:
+    """Fill ``record``'s memory and exact levels from ``scheduler``'s KV manager, at the end of
+    the step (block tables of the running requests, free-queue length).  ``rename`` maps vLLM's
+    request id to the log's (the live server's ids carry a prefix and a random suffix)."""
+    kv = scheduler.kv_cache_manager
+    tables = {}
+    for request in scheduler.running:
+        ids = list(kv.get_block_ids(request.request_id)[0])
+        if ids:
+            tables[rename(request.request_id)] = ids
+    record.num_free_blocks = kv.block_pool.get_num_free_blocks()
+    record.blocks = {rid: len(ids) for rid, ids in tables.items()}
+    record.block_ids = tables
+
+
+def finish_reason(request, max_model_len: int) -> str:
+    """vLLM's finished status, split the way spec.formats names finish reasons."""
+    from vllm.v1.request import RequestStatus
+
+    status = request.status
+    if status == RequestStatus.FINISHED_STOPPED:
+        return FINISH_STOP_TOKEN if request.stop_reason is not None else FINISH_EOS
+    if status == RequestStatus.FINISHED_LENGTH_CAPPED:
+        return FINISH_MAX_MODEL_LEN if request.num_tokens >= max_model_len else FINISH_MAX_TOKENS
+    return str(status.name).lower()  # anything else is unexpected for plain text: show it as is
 
 
 def record_log(trace: Trace, path: str, level: str = "exact") -> list[StepRecord]:
