@@ -426,6 +426,12 @@ def cmd_triage_engines(args) -> int:
                           args.n_traces, args.seed, args.set, args.json, args.save_logs)
 
 
+def cmd_triage(args) -> int:
+    from fuzz.triage import triage_findings_command
+
+    return triage_findings_command(args.finding, args.cls, args.why, args.source, args.auto, args.json)
+
+
 def cmd_replay(args) -> int:
     import fuzz.engines  # noqa: F401  (registers gpu, gpu-model, reference)
     from fuzz.replay import replay_command
@@ -580,6 +586,19 @@ def build_parser() -> argparse.ArgumentParser:
                     "to DIR/a/ and DIR/b/ (read back by --engine-a DIR/a: compare engines that cannot share a process, "
                     "e.g. two vLLM releases)")
     tg.set_defaults(fn=cmd_triage_engines)
+
+    tr = command("triage", "a campaign finding's class: spec-wrong, deliberate-difference (a knob value the engine "
+                 "documents), engine-bug (crash, hang, livelock, an invariant its own log breaks) or untriaged; "
+                 "show it, compute it (--auto) or set it (--class)")
+    tr.add_argument("finding", metavar="FINDING", help="a finding's .jsonl, .md or .group.json, or a corpus directory")
+    tr.add_argument("--class", dest="cls", metavar="CLASS", help="set the class by hand (spec-wrong, "
+                    "deliberate-difference, engine-bug, untriaged)")
+    tr.add_argument("--why", default="", help="the reason, recorded with the class")
+    tr.add_argument("--source", metavar="FILE:LINE", help="the engine source line behind it")
+    tr.add_argument("--auto", action="store_true", help="compute the automatic class from the saved trace and "
+                    "log (a class set by hand is kept)")
+    tr.add_argument("--json", action="store_true", help="print the classes as JSON")
+    tr.set_defaults(fn=cmd_triage)
 
     cf = command("conform", "conformance run: many random traces, agreement by feature area")
     cf.add_argument("--engine", default="vllm", metavar="ENGINE", help=ENGINE_HELP + " (default: vllm)")

@@ -60,7 +60,7 @@ from fuzz.corpus import save_finding
 from spec.io import OptionError
 from fuzz.generate import profile_knobs, random_trace
 import fuzz.engines  # noqa: F401  (registers gpu, gpu-model, reference)
-from fuzz.replay import ReplayResult, replay
+from fuzz.replay import EngineConfigError, ReplayResult, replay
 from fuzz.shrink import shrink, signature
 from spec.config import PROFILES
 from spec.formats import Trace
@@ -131,6 +131,8 @@ class Task:
     shrink_tries: int
     envelope: Any = None  # fuzz.capabilities.Envelope: a trace outside it is not run
     known: tuple = ()  # raw signatures already grouped: counted, not shrunk again
+    step_seconds: float | None = None  # an engine call running longer is a hang, caught inside it (WatchedEngine)
+    shared_livelocks: bool = False  # a livelock the spec shares is a finding too (a real engine's, which it models)
 
 
 @dataclass
@@ -148,6 +150,8 @@ class Outcome:
     error: str | None = None
     raw_signature: tuple[str, str, str] | None = None  # before shrinking (signature: the group's, after)
     outside: str | None = None  # why the trace was outside the engine's envelope (not run)
+    triage: dict | None = None  # a shrunk finding's automatic triage (fuzz.triage.classify)
+    detail: str = ""  # the engine's traceback, or its livelock's cycle, for the report
 
 
 SHRINK_SECONDS = 120.0  # cap on shrinking one finding (the replay budget is the deterministic bound)
@@ -180,7 +184,10 @@ def _run_task(task: Task, on_detect: OnDetect | None) -> Outcome:
         if outside:  # never run a knob value the engine does not claim
             return Outcome(task.index, task.seed, task.options, outside="; ".join(outside))
     HITS.clear()
-    result = replay(trace, task.engine, task.level)
+    try:
+        result = task_replay(task, trace)
+    except EngineConfigError as e:  # the engine's own validation refuses a drawn configuration: not run
+        return Outcome(task.index, task.seed, task.options, outside=f"the engine refuses it: {e}")
     rules = sorted(HITS)
     out = Outcome(task.index, task.seed, task.options, rules, len(result.spec_records), original_requests=len(trace.requests))
     if not result.agreed:
@@ -192,25 +199,122 @@ def _run_task(task: Task, on_detect: OnDetect | None) -> Outcome:
             out.seconds = time.perf_counter() - t0
             return out
         # candidates diverge early or not at all: cap their steps near the original divergence
-        limit = MAX_STEPS if sig[0] == "non-termination" else min(MAX_STEPS, 2 * result.divergence.step + 200)
+        limit = MAX_STEPS if sig[0] in ("non-termination", "livelock") else min(MAX_STEPS, 2 * result.divergence.step + 200)
 
         def same(t: Trace) -> bool:
             # the same kind of divergence, anywhere: shrinking then leads the manifestations of one
             # bug to the same smallest trace, whose signature names the group (one finding per bug).
-            # An engine crash may shrink to a decision divergence: the state it crashed on, seen earlier.
+            # An engine crash may shrink to a decision divergence: the state it crashed on, seen earlier;
+            # one located in the engine's code (exception type and line) shrinks to that same crash.
             if task.envelope is not None and not task.envelope.admits(t.config):
                 return False
-            r = replay(dataclasses.replace(t, config={**t.config, "max_steps": limit}), task.engine, task.level)
-            return not r.agreed and (r.divergence.kind == sig[0] or (sig[0], r.divergence.kind) == ("error", "decision"))
+            r = task_replay(task, dataclasses.replace(t, config={**t.config, "max_steps": limit}), shrinking=True,
+                            livelocks=sig[0] == "livelock")
+            if r.agreed:
+                return False
+            if sig[0] in ("error", "hang") and sig[2] != "-":
+                return signature(r.divergence) == sig
+            return r.divergence.kind == sig[0] or (sig[0], r.divergence.kind) == ("error", "decision")
 
         small, out.shrink_tries = shrink(trace, same, seconds=SHRINK_SECONDS, max_tries=task.shrink_tries)
-        out.shrunk = replay(small, task.engine, task.level, after=REPORT_CONTEXT)
+        out.shrunk = task_replay(task, small, after=REPORT_CONTEXT, livelocks=sig[0] == "livelock")
         if not out.shrunk.agreed:
             from fuzz.corpus import group_signature
 
             out.signature = group_signature(out.shrunk)  # cause-first field and rule: one finding per bug
+            out.triage, out.detail = triage_of(task, out.shrunk)
     out.seconds = time.perf_counter() - t0
     return out
+
+
+#: Built-in engines: the spec's own decisions re-implemented (a stall they share with the spec is the
+#: spec's modelled behaviour, e.g. vLLM's); any other engine's livelock is a finding even when shared.
+BUILT_IN_ENGINES = frozenset({"spec", "gpu", "gpu-model", "reference"})
+SHRINK_STEP_SECONDS = 2.0  # while shrinking a hang, a call this long is the hang again (not the full limit)
+
+
+def task_replay(task: Task, trace: Trace, after: int | None = 0, shrinking: bool = False,
+                livelocks: bool = True) -> ReplayResult:
+    """:func:`fuzz.replay.replay` with a real engine's failures caught where they happen.
+
+    The engine runs under :class:`fuzz.engines.WatchedEngine`: a call that does not return within
+    ``task.step_seconds`` is interrupted inside the engine and becomes a divergence of kind ``hang``
+    at that step, grouped by the place it was stuck; a call that raises keeps its traceback, and the
+    divergence (kind ``error``) is grouped by the exception's type and place (two assertions are
+    two bugs).  A log that ends in a no-progress cycle becomes a ``livelock`` at the cycle's first
+    step (:func:`fuzz.triage.livelock_divergence`); with ``livelocks``, an engine that diverges on a
+    decision is run on alone to the step limit, and a livelock it ends in is the finding (a wrong
+    decision on the way to it is a note).  Raises :class:`EngineConfigError` when the
+    engine refuses the configuration."""
+    from fuzz.engines import WatchedEngine
+    from fuzz.replay import make_engine
+    from fuzz.triage import engine_run_livelock, find_livelock, livelock_divergence
+    from spec.config import resolve as resolve_config
+
+    seconds = task.step_seconds
+    if seconds and shrinking:
+        seconds = min(seconds, SHRINK_STEP_SECONDS)
+    max_steps = resolve_config(trace.config).max_steps
+    engine = WatchedEngine(make_engine(task.engine, trace), seconds)
+    result = engine_failure(replay(trace, engine, task.level, after=after), engine)
+    result = livelock_divergence(result, max_steps, shared=task.shared_livelocks)
+    if livelocks and result.divergence is not None and result.divergence.kind == "decision":
+        records = engine_alone(task, trace, seconds, max_steps)
+        cycle = find_livelock(records, max_steps)
+        if cycle is not None:
+            result = engine_run_livelock(result, records, cycle)
+    return result
+
+
+def engine_alone(task: Task, trace: Trace, seconds: float | None, max_steps: int) -> list:
+    """The engine's log on ``trace`` run alone up to the step limit ([] if it fails on the way)."""
+    from fuzz.engines import WatchedEngine
+    from fuzz.replay import SideError, Stepper, make_engine
+
+    side, records = Stepper(WatchedEngine(make_engine(task.engine, trace), seconds), trace), []
+    try:
+        while (k := side.next_step()) is not None and k < max_steps:
+            records.append(side.run_step())
+    except SideError:
+        return []
+    return records
+
+
+def engine_failure(result: ReplayResult, engine) -> ReplayResult:
+    """An engine that raised (or hung, interrupted by the watchdog): the divergence names the place
+    (``rule``: ``Type at FILE:LINE`` — for a hang, the function it was stuck in), its kind is ``hang``
+    for a hang, and the full traceback is a note of the result (it goes in the report)."""
+    from fuzz.diff import ERROR
+
+    div = result.divergence
+    if div is None or div.kind != ERROR or not str(div.engine_value).startswith("raised") or engine.where is None:
+        return result
+    file, line, function = engine.where
+    if engine.hung:
+        div = dataclasses.replace(div, kind="hang", field=engine.hung, rule=f"stuck in {os.path.basename(file)}:{function}")
+    else:
+        div = dataclasses.replace(div, rule=f"{engine.error_type} at {os.path.basename(file)}:{line}")
+    notes = [*result.notes, f"engine traceback:\n{engine.traceback}"] if engine.traceback else result.notes
+    return dataclasses.replace(result, divergence=div, notes=notes)
+
+
+def triage_of(task: Task, result: ReplayResult) -> tuple[dict | None, str]:
+    """The automatic triage of a shrunk finding and the detail its report shows (never raises:
+    a triage that fails says so and the finding is kept)."""
+    from fuzz.replay import raised_at
+    from fuzz.triage import UNTRIAGED, classify, failure_detail
+
+    try:
+        return classify(result, task.engine), failure_detail(result)
+    except Exception as e:  # noqa: BLE001
+        return {"class": UNTRIAGED, "status": "candidate", "by": "auto", "why": f"automatic triage failed: {raised_at(e)}"}, ""
+
+
+def watch_settings(cfg: "CampaignConfig") -> tuple[float, bool]:
+    """Each task's step time limit (a quarter of the per-trace timeout: a hang is caught inside the
+    engine before the worker is killed) and whether shared livelocks are findings."""
+    shared = cfg.shared_livelocks if cfg.shared_livelocks is not None else cfg.engine not in BUILT_IN_ENGINES
+    return cfg.timeout / 4, shared
 
 
 # -- local worker pool with per-task timeouts -----------------------------------
@@ -597,6 +701,7 @@ class CampaignConfig:
     profile: str | None = None  # fix this profile's knobs in every trace (fuzz.generate.random_trace(profile=)); "all": rotate
     knobs: dict[str, Any] = field(default_factory=dict)  # fixed in every trace, over the profile's and steering's
     capabilities: Any = None  # --capabilities FILE (or an Envelope / dict): overrides the engine's declaration
+    shared_livelocks: bool | None = None  # a livelock the spec shares is a finding (None: for non-built-in engines)
 
 
 # batchspec.cli builds a CampaignConfig from its options and calls validate_options(cfg) before any
@@ -748,6 +853,8 @@ def run_campaign(cfg: CampaignConfig, on_round: Callable[[CampaignState, list[Ou
     try:
         while not _spent(cfg, state, start):
             tasks = _round_tasks(cfg, state, rule_ids, envelope)
+            for task in tasks:
+                task.step_seconds, task.shared_livelocks = watch_settings(cfg)
             live = _Round(cfg, state, start)
             if runner:
                 outcomes = runner(tasks, cfg.timeout)
@@ -803,6 +910,14 @@ class _Round:
         if name is None or name in self.state.findings:
             return
         self.new.add(name)
+        if o.shrunk is None and o.signature[0] in ("hang", "crash") and name not in self.saved:
+            self.saved.add(name)
+            try:
+                save_lost_finding(self.cfg, o)
+            except Exception as e:  # noqa: BLE001  (the finding is counted; its files are best effort)
+                from fuzz.replay import raised_at
+
+                self.problems[name] = raised_at(e)
         if o.shrunk is not None and not o.shrunk.agreed and name not in self.saved:
             self.saved.add(name)
             problem = save_finding_safely(self.cfg, o, hits=0)  # the merge counts the hit
@@ -847,12 +962,55 @@ def save_finding_safely(cfg: CampaignConfig, o: Outcome, hits: int = 1) -> str |
 
     provenance = provenance_of(cfg, o)
     try:
-        save_finding(cfg.corpus, o.shrunk, o.signature, provenance, engine=cfg.engine, hits=hits)
-        return None
+        written = save_finding(cfg.corpus, o.shrunk, o.signature, provenance, engine=cfg.engine, hits=hits)
     except Exception as e:
         problem = raised_at(e)
+    else:
+        if written is not None and o.triage:
+            return record_triage(cfg, o)
+        return None
     _save_what_can_be(cfg, o, provenance, problem)
     return problem
+
+
+def record_triage(cfg: CampaignConfig, o: Outcome) -> str | None:
+    """Write a saved finding's automatic triage into its group file and report (the problem, if it cannot)."""
+    from fuzz.corpus import slug
+    from fuzz.replay import raised_at
+    from fuzz.triage import write_triage
+
+    try:
+        write_triage(cfg.corpus, slug(o.signature), o.triage, o.detail)
+    except Exception as e:  # noqa: BLE001  (the finding itself is saved)
+        return f"triage not written: {raised_at(e)}"
+    return None
+
+
+def save_lost_finding(cfg: CampaignConfig, o: Outcome) -> None:
+    """A trace whose worker was killed (past the per-trace timeout, stuck where the watchdog cannot
+    interrupt it) or died: the trace, re-made from its generator seed, and a short report, so that
+    the finding can be replayed; it is not shrunk (each candidate could cost the timeout again)."""
+    from fuzz.corpus import record_hits, size, slug
+    from fuzz.triage import ENGINE_BUG, write_triage
+    from spec.io import atomic_write_lines
+
+    name = slug(o.signature)
+    path = Path(cfg.corpus) / f"{name}.jsonl"
+    if path.exists():
+        return
+    what = "hung (no result within the timeout; killed)" if o.signature[0] == "hang" else "died (its process ended)"
+    trace = random_trace(o.seed, **{"max_steps": MAX_STEPS, **o.options})
+    trace = dataclasses.replace(trace, name=name, description=f"the engine {what} on this trace: {o.error}. "
+                                f"Found by `batchspec fuzz --seed {cfg.seed}` (trace {o.index}, generator seed {o.seed}).")
+    atomic_write_lines(path, [trace.header_json(), *(r.to_json() for r in trace.requests)])
+    _write_text(Path(cfg.corpus) / f"{name}.md",
+                f"# Finding `{name}`\n\nEngine `{cfg.engine}` {what}: `{o.error}`.\n{trace.description}\n\n"
+                f"```bash\nbatchspec replay {path} --engine {cfg.engine} --level {cfg.level}\n```\n\n"
+                f"## The trace ({len(trace.requests)} requests, not shrunk)\n\n```json\n"
+                + "\n".join(json.dumps(r.to_json()) for r in trace.requests) + "\n```\n")
+    record_hits(cfg.corpus, name, o.signature, 0, example_size=list(size(trace)))
+    write_triage(cfg.corpus, name, {"class": ENGINE_BUG, "status": "candidate", "by": "auto",
+                                    "why": f"the engine {what}", "knob": None, "source": None, "invariants": []})
 
 
 def _save_what_can_be(cfg: CampaignConfig, o: Outcome, provenance: str, problem: str) -> None:
@@ -1101,6 +1259,8 @@ def _merge(cfg: CampaignConfig, state: CampaignState, outcomes: list[Outcome], l
                 entry["original_requests"] = o.original_requests
                 problem = save_finding_safely(cfg, o) or live.problems.get(name)
                 entry["report"] = f"incomplete: {problem}" if problem else "ok"
+                if o.triage:
+                    entry["triage"] = o.triage["class"]
                 continue
         elif o.error:
             entry["error"] = o.error

@@ -38,3 +38,98 @@ register_engine("reference", _reference, "reference engine: the spec's decisions
 from fuzz.sglang_adapter import factory as _sglang  # noqa: E402  (imports without SGLang; it loads on first use)
 
 register_engine("sglang", _sglang, "SGLang 0.5.23's scheduler in-process, fake model (own venv: scripts/sglang-env.sh)")
+
+
+# -- a real engine's failures, caught where they happen (campaigns against vLLM, SGLang) ----------
+
+
+class EngineHang(Exception):
+    """An engine call did not return within its time limit (raised inside it by the watchdog)."""
+
+
+class WatchedEngine:
+    """An engine whose every call is bounded in time and whose crashes keep their traceback.
+
+    A real engine that loops inside ``step()`` (a scheduler ``while`` that never ends) would
+    otherwise cost the whole per-trace timeout and be killed with nothing to show.  Here a
+    ``SIGALRM`` timer raises :class:`EngineHang` *inside* the looping code after ``seconds``:
+    the hang becomes a finding at the step it happened, with the line it was stuck on, and
+    can be shrunk like any other.  (Code stuck in C never sees the signal; the campaign's
+    per-trace timeout, which kills the worker, remains the fallback.)  The timer is only armed
+    in the main thread of a process that has ``SIGALRM``; elsewhere calls are not bounded.
+
+    Every exception an engine call raises is re-raised unchanged after its full traceback is
+    kept in :attr:`traceback` (the replay reports only the innermost frame)."""
+
+    def __init__(self, engine, seconds: float | None):
+        self.engine = engine
+        self.name = getattr(engine, "name", type(engine).__name__)
+        self.seconds = seconds
+        self.hung: str | None = None  # which call hung, once one did
+        self.traceback: str | None = None  # the full traceback of the first call that raised
+        self.where: tuple[str, int, str] | None = None  # its innermost frame: file, line, function
+        self.error_type: str | None = None
+        self._armed = bool(seconds) and _can_alarm()
+
+    def __getattr__(self, attr):  # anything else (log_state, scheduler handles) is the engine's
+        return getattr(self.engine, attr)
+
+    def add_request(self, request) -> None:
+        return self._call("add_request", request)
+
+    def abort_request(self, request_id: str) -> None:
+        return self._call("abort_request", request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self._call("has_unfinished_requests")
+
+    def step(self):
+        return self._call("step")
+
+    def _call(self, method: str, *args):
+        import signal
+
+        if not self._armed:
+            try:
+                return getattr(self.engine, method)(*args)
+            except Exception as e:
+                self._keep(e)
+                raise
+
+        def hang(signum, frame):
+            raise EngineHang(f"{method}() did not return within {self.seconds:g} s")
+
+        previous = signal.signal(signal.SIGALRM, hang)
+        signal.setitimer(signal.ITIMER_REAL, self.seconds)
+        try:
+            return getattr(self.engine, method)(*args)
+        except EngineHang as e:
+            self.hung = self.hung or method
+            self._keep(e)
+            raise
+        except Exception as e:
+            self._keep(e)
+            raise
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+
+    def _keep(self, e: BaseException) -> None:
+        """The first failure's full traceback and innermost frame (later ones follow from it)."""
+        import traceback
+
+        if self.traceback is not None:
+            return
+        self.traceback = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        frames = traceback.extract_tb(e.__traceback__)
+        if isinstance(e, EngineHang) and len(frames) > 1:
+            frames = frames[:-1]  # the innermost frame is the watchdog's handler; the engine was one up
+        self.where = (frames[-1].filename, frames[-1].lineno, frames[-1].name) if frames else None
+        self.error_type = type(e).__name__
+
+
+def _can_alarm() -> bool:
+    import signal
+    import threading
+
+    return hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()

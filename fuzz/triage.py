@@ -330,3 +330,387 @@ def triage_command(paths: list[str], engine_a: str, engine_b: str, profiles: lis
         print(f"{len(diffs)} of {len(traces)} traces differ between A ({engine_a}) and B ({engine_b}) "
               f"at the {level} level")
     return 1 if diffs else 0
+
+
+# -- triage classes of campaign findings (issue #21) ---------------------------------------------
+#
+# Every finding of a campaign against an engine is one of three things, and its report says which:
+#
+# * ``spec-wrong``            — the spec decides what no engine should: fix the spec, add a scenario test;
+# * ``deliberate-difference`` — the engine means to differ: a knob value the engine has and documents
+#                               (the knob, the value, the engine's source line);
+# * ``engine-bug``            — a crash, a hang, a livelock, an invariant the engine's own log breaks
+#                               (lost or duplicated tokens, starvation, wasted work), a wrong decision.
+#
+# What can be decided mechanically is (:func:`classify`, ``by: auto``, ``status: candidate``); a
+# person confirms or overrides it (``batchspec triage FINDING --class ...``, ``by: human``).
+# ``untriaged`` is what the machine cannot tell apart: a decision divergence with a self-consistent
+# engine log and no knob value that explains it is either a spec error or an engine bug.
+
+SPEC_WRONG, DELIBERATE, ENGINE_BUG, UNTRIAGED = "spec-wrong", "deliberate-difference", "engine-bug", "untriaged"
+CLASSES = (SPEC_WRONG, DELIBERATE, ENGINE_BUG, UNTRIAGED)
+
+#: Divergence kinds that are failures of the engine whatever the spec says.
+LIVELOCK, HANG, CRASH = "livelock", "hang", "crash"
+
+#: Knob values an engine has deliberately and documents, where: (engine, knob, value) -> (what, source).
+#: A divergence that goes away when the spec takes one of these values is a deliberate difference.
+DOCUMENTED: dict[tuple[str, str, Any], tuple[str, str]] = {
+    ("vllm", "priority_self_preempt", "continue"): (
+        "vLLM 0.33 keeps scheduling after a request preempts itself under priority (0.32 stops)",
+        "vllm/v1/core/sched/scheduler.py (0.33.0), Scheduler.schedule, the self-preemption branch; "
+        "docs/reference/vllm-v1.md \"0.32 -> 0.33\""),
+    ("vllm-release", "priority_self_preempt", "continue"): (
+        "vLLM 0.33 keeps scheduling after a request preempts itself under priority (0.32 stops)",
+        "vllm/v1/core/sched/scheduler.py (0.33.0), Scheduler.schedule; docs/reference/vllm-v1.md"),
+}
+
+
+@dataclass
+class Livelock:
+    """An engine's log that ends in a cycle of states with no progress."""
+
+    start: int  # the step the cycle starts at (its first step)
+    period: int  # steps per cycle
+    end: int  # the last step logged (the step limit)
+
+    def describe(self) -> str:
+        what = "the same state every step" if self.period == 1 else f"a cycle of {self.period} states"
+        return (f"from step {self.start} to the step limit ({self.end}) the engine repeats {what} "
+                f"with no progress: no token sampled, no request finished, aborted or rejected")
+
+
+def _state(record: StepRecord) -> str:
+    import json
+
+    out = record.to_json("exact")
+    out.pop("step", None)
+    out.pop("reasons", None)
+    return json.dumps(out, sort_keys=True, default=str)
+
+
+def _progress(record: StepRecord) -> bool:
+    return bool(record.sampled or record.finished or record.aborted or record.rejected)
+
+
+def find_livelock(records: list[StepRecord], max_steps: int, max_period: int = 64, min_cycles: int = 3) -> Livelock | None:
+    """The no-progress cycle a log ends in, if it runs to the step limit in one.
+
+    A livelock is a state the engine comes back to without having made progress: the log's
+    records (every field but the step number) repeat with some period ``p`` up to the step
+    limit, at least ``min_cycles`` times, and no record of the cycle samples a token or ends a
+    request.  A stall (nothing scheduled, every step alike) is the case ``p = 1``.  The cycle's
+    first step is the earliest step from which the log is periodic.  A log that finished, or
+    that still makes progress at the limit, has none."""
+    if not records or records[-1].step < max_steps - 1:
+        return None
+    states = [_state(r) for r in records]
+    n = len(states)
+    for p in range(1, max_period + 1):
+        if n < p * min_cycles:
+            break
+        start = n - p
+        while start - 1 >= 0 and states[start - 1] == states[start - 1 + p]:
+            start -= 1
+        if n - start < p * min_cycles:
+            continue
+        if any(_progress(r) for r in records[start:]):
+            continue
+        # consecutive steps: the cycle is in step numbers too (no idle gap inside it)
+        if records[-1].step - records[start].step != n - 1 - start:
+            continue
+        return Livelock(records[start].step, p, records[-1].step)
+    return None
+
+
+def livelock_divergence(result, max_steps: int, shared: bool = True):
+    """The result with a livelock of the engine as its divergence (kind ``livelock``, at the
+    cycle's first step), when its log ends in one: the engine alone runs to the step limit
+    (a ``non-termination``), or — with ``shared`` — the spec stalls identically (agreement,
+    which a real engine's livelock still is: the spec models the engine, the engine is stuck).
+    Otherwise the result unchanged."""
+    from fuzz.diff import NON_TERMINATION
+
+    div = result.divergence
+    alone = div is not None and div.kind == NON_TERMINATION and str(div.engine_value).startswith("still running")
+    both = div is None and shared and any("stall" in n for n in result.notes)
+    if not (alone or both):
+        return result
+    cycle = find_livelock(result.engine_records, max_steps)
+    if cycle is None:
+        return result
+    spec_side = "stalls the same way (the spec models this behaviour)" if both else (div.spec_value if div else "")
+    found = Divergence(cycle.start, "livelock-shared" if both else "livelock", spec_side, cycle.describe(),
+                       kind=LIVELOCK, engine=result.engine)
+    return dataclasses.replace(result, divergence=found, notes=[*result.notes, f"livelock: {cycle.describe()}"])
+
+
+def engine_run_livelock(result, records: list[StepRecord], cycle: Livelock):
+    """The result of a decision divergence whose engine, run alone on to the step limit (``records``),
+    ends in a livelock: the livelock is the finding (kind ``livelock`` at the cycle's first step; a
+    wrong decision on the way there is a note), and the engine's log runs to the cycle's first
+    repetition, for the report."""
+    first = result.divergence
+    keep = [r for r in records if r.step <= cycle.start + 2 * cycle.period]
+    found = Divergence(cycle.start, "livelock", f"(the logs first differ at step {first.step}, field {first.field})",
+                       cycle.describe(), kind=LIVELOCK, engine=result.engine)
+    notes = [*result.notes, f"livelock: {cycle.describe()}; the first differing decision was at step {first.step} "
+                            f"(field {first.field})"]
+    return dataclasses.replace(result, divergence=found, engine_records=keep, notes=notes)
+
+
+def knob_alternatives(config: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Every other value of every knob with a finite set of values (booleans and named choices)."""
+    from spec.config import KNOB_CHOICES, SchedulerConfig
+
+    cfg = resolve(config)
+    out = []
+    for f in dataclasses.fields(SchedulerConfig):
+        value = getattr(cfg, f.name)
+        if f.name in KNOB_CHOICES:
+            out += [(f.name, v) for v in KNOB_CHOICES[f.name] if v != value]
+        elif isinstance(value, bool):
+            out.append((f.name, not value))
+    return out
+
+
+def explaining_knobs(trace: Trace, engine_records: list[StepRecord], level: str, step: int) -> list[tuple[str, Any]]:
+    """The knob values under which the spec agrees with the engine's log up to its last record,
+    one knob changed at a time: the engine behaves as if it had that value."""
+    from spec.config import ConfigError
+
+    if not engine_records:
+        return []
+    last = engine_records[-1].step
+    out = []
+    for knob, value in knob_alternatives(trace.config):
+        config = {**trace.config, knob: value}
+        try:
+            resolve(config)
+            again = replay_records(dataclasses.replace(trace, config=config), engine_records, level, after=0)
+        except (ConfigError, ValueError, TypeError):
+            continue
+        if again.divergence is None or again.divergence.step > max(last, step):
+            out.append((knob, value))
+    return out
+
+
+def _violations(result, knobs: dict[str, Any] | None = None) -> list:
+    """The invariants the engine's own log breaks (:mod:`invariants.log_checker`), under the trace's
+    configuration with ``knobs`` over it."""
+    from invariants.log_checker import check_log
+    from spec.formats import DecisionLog
+
+    trace = dataclasses.replace(result.trace, config={**result.trace.config, **(knobs or {})})
+    log = DecisionLog(result.engine, result.level, result.engine_records)
+    return check_log(log, resolve(trace.config), trace).violations
+
+
+def classify(result, engine: str) -> dict[str, Any]:
+    """The automatic triage of a finding (``by: auto``, ``status: candidate``): see the classes above.
+
+    ``result`` is the replay of the finding's trace (:class:`fuzz.replay.ReplayResult`)."""
+    from fuzz.diff import ERROR
+
+    div = result.divergence
+    out: dict[str, Any] = {"class": UNTRIAGED, "status": "candidate", "by": "auto", "why": "", "knob": None,
+                           "source": None, "invariants": []}
+    if div is None:
+        return {**out, "why": "the trace no longer diverges"}
+    if div.kind == ERROR and str(div.spec_value).startswith("raised"):
+        return {**out, "class": SPEC_WRONG, "why": f"the spec raised at step {div.step}: {div.spec_value}"}
+    if div.kind in (ERROR, HANG, CRASH, LIVELOCK):
+        what = {ERROR: "the engine raised", HANG: "the engine hung", CRASH: "the engine's process died",
+                LIVELOCK: "the engine livelocks"}[div.kind]
+        return {**out, "class": ENGINE_BUG, "why": f"{what} at step {div.step}: {div.engine_value}"}
+    # a knob value under which the spec decides as the engine's log does: the engine has that value.
+    # First, because the log checker judges a log by the trace's knob values: the invariants tied to
+    # a knob (no admission in a step that preempted, ...) break when the engine has another value.
+    explained = explaining_knobs(result.trace, result.engine_records, result.level, div.step)
+    if explained:
+        documented = [(k, v) for k, v in explained if (engine, k, v) in DOCUMENTED]
+        knob, value = (documented or explained)[0]
+        doc = DOCUMENTED.get((engine, knob, value))
+        also = [f"{k}={v}" for k, v in explained if (k, v) != (knob, value)]
+        why = (f"the spec agrees with the engine's log under {knob}={value}"
+               + (f" (also: {', '.join(also[:4])})" if also else "")
+               + (f": {doc[0]}" if doc else ": not documented for this engine yet — confirm, then document it"))
+        return {**out, "class": DELIBERATE, "knob": {knob: value}, "source": doc[1] if doc else None,
+                "status": "documented" if doc else "candidate", "why": why,
+                "also": [{k: v} for k, v in explained if (k, v) != (knob, value)]}
+    try:
+        broken = _violations(result)
+    except Exception as e:  # noqa: BLE001  (a log the checker cannot read is no verdict)
+        broken, out["why"] = [], f"the log checker failed: {type(e).__name__}: {e}; "
+    if broken:
+        ids = sorted({v.invariant for v in broken})
+        first = broken[0]
+        return {**out, "class": ENGINE_BUG, "invariants": ids,
+                "why": f"the engine's own log breaks {', '.join(ids)} (first at step {first.step}: {first.evidence})"}
+    return {**out, "why": out["why"] + "a decision divergence on a self-consistent engine log that no single knob "
+                                       "value explains: a person decides (spec-wrong or engine-bug)"}
+
+
+TRIAGE_BEGIN, TRIAGE_END = "<!-- batchspec: triage -->", "<!-- /batchspec: triage -->"
+
+
+def triage_section(triage: dict[str, Any], extra: str = "") -> str:
+    """The report's ``## Triage`` section (between markers, so that it can be rewritten)."""
+    lines = [TRIAGE_BEGIN, "## Triage", "",
+             f"**{triage['class']}** ({triage.get('status', 'candidate')}, by {triage.get('by', 'auto')}): {triage.get('why', '')}"]
+    if triage.get("knob"):
+        lines.append(f"- knob: `{', '.join(f'{k}={v}' for k, v in triage['knob'].items())}`")
+    if triage.get("source"):
+        lines.append(f"- engine source: {triage['source']}")
+    if triage.get("invariants"):
+        lines.append(f"- invariants broken: {', '.join(f'`{i}`' for i in triage['invariants'])}")
+    lines.append("")
+    lines.append("Set it by hand: `batchspec triage FINDING --class spec-wrong|deliberate-difference|engine-bug "
+                 "--why TEXT [--source FILE:LINE]`.")
+    if extra:
+        lines += ["", extra.rstrip()]
+    return "\n".join(lines + ["", TRIAGE_END, ""])
+
+
+def write_triage(corpus: str | os.PathLike, name: str, triage: dict[str, Any], detail: str | None = None) -> None:
+    """Record ``triage`` in finding ``name``'s group file (``triage``) and in its report's triage
+    section.  ``detail`` (the engine's traceback, the livelock's cycle: :func:`failure_detail`) is
+    kept in the group file too; None keeps the one recorded before."""
+    import json
+    import re
+
+    from fuzz.corpus import group_path, read_group
+    from spec.io import atomic_write_text
+
+    group = read_group(corpus, name)
+    group["triage"] = triage
+    if detail is not None:
+        group["detail"] = detail
+    atomic_write_text(group_path(corpus, name), json.dumps(group, indent=1) + "\n")
+    report = Path(corpus) / f"{name}.md"
+    if not report.exists():
+        return
+    text = report.read_text()
+    section = triage_section(triage, group.get("detail", ""))
+    pattern = re.compile(re.escape(TRIAGE_BEGIN) + r".*?" + re.escape(TRIAGE_END) + r"\n?", re.S)
+    text = pattern.sub(lambda _: section, text) if pattern.search(text) else _after_title(text, section)
+    atomic_write_text(report, text)
+
+
+def failure_detail(result) -> str:
+    """What a report shows beyond the divergence for an engine failure: the full traceback of an
+    engine that raised or hung, the cycle of a livelock (Markdown; empty for a decision divergence)."""
+    out = []
+    for note in result.notes:
+        if note.startswith("engine traceback:"):
+            out.append("### The engine's traceback\n\n```text\n" + note.split("\n", 1)[1].rstrip() + "\n```")
+        elif note.startswith("livelock:"):
+            out.append("### The livelock\n\n" + note.split(":", 1)[1].strip() + ".")
+    return "\n\n".join(out)
+
+
+def _after_title(text: str, section: str) -> str:
+    """``section`` inserted after the report's first paragraph (its title and cause), where it is read first."""
+    head, sep, rest = text.partition("\n## ")
+    return f"{head.rstrip()}\n\n{section}\n{sep.lstrip(chr(10))}{rest}" if sep else f"{text.rstrip()}\n\n{section}"
+
+
+# -- batchspec triage: a finding's class, automatic or set by hand --------------------------------
+
+
+def finding_names(path: str) -> tuple[Path, list[str]]:
+    """The corpus directory and the finding names ``path`` designates: a corpus directory (every
+    finding with a group file), or one finding's trace, report or group file."""
+    p = Path(path)
+    if p.is_dir():
+        return p, sorted(g.name.removesuffix(".group.json") for g in p.glob("*.group.json"))
+    for suffix in (".group.json", ".jsonl", ".md"):
+        if p.name.endswith(suffix):
+            name = p.name.removesuffix(suffix)
+            if (p.parent / f"{name}.group.json").is_file() or (p.parent / f"{name}.jsonl").is_file():
+                return p.parent, [name]
+    raise TriageInputError(f"{path}: not a corpus directory nor a finding's .jsonl, .md or .group.json "
+                           f"(with its group file beside it)")
+
+
+def saved_result(corpus: Path, name: str):
+    """The finding's saved trace and engine log, replayed against the spec (no engine needed)."""
+    from spec.io import load_log, load_trace
+
+    logs = sorted(corpus.glob(f"*/{name}.log.jsonl"))
+    if not logs:
+        raise TriageInputError(f"{corpus / name}: no engine log saved for this finding (ENGINE/{name}.log.jsonl)")
+    log = load_log(logs[0])
+    trace = load_trace(corpus / f"{name}.jsonl", steps=True)
+    return replay_records(trace, log.records, log.level, engine=log.engine, after=3)
+
+
+def auto_triage(corpus: Path, name: str) -> dict[str, Any]:
+    """The automatic class of a saved finding.  A crash, hang or livelock was classified when the
+    engine ran (its log alone cannot show it again); a decision divergence is re-classified from the
+    saved trace and log."""
+    from fuzz.corpus import read_group
+
+    group = read_group(corpus, name)
+    kind = (group.get("signature") or ["?"])[0]
+    old = group.get("triage")
+    if kind in ("error", HANG, CRASH, LIVELOCK):
+        return old or {"class": ENGINE_BUG, "status": "candidate", "by": "auto", "why": f"the engine's {kind}",
+                       "knob": None, "source": None, "invariants": []}
+    result = saved_result(corpus, name)
+    engine = result.engine
+    return classify(result, engine)
+
+
+def set_triage(corpus: Path, name: str, cls: str, why: str, source: str | None) -> dict[str, Any]:
+    """A person's verdict on a finding (``by: human``, ``status: confirmed``); knob and invariants kept."""
+    from fuzz.corpus import read_group
+
+    old = read_group(corpus, name).get("triage") or {}
+    triage = {**old, "class": cls, "status": "confirmed", "by": "human", "why": why or old.get("why", ""),
+              "source": source if source is not None else old.get("source")}
+    write_triage(corpus, name, triage)
+    return triage
+
+
+def triage_findings_command(path: str, cls: str | None = None, why: str = "", source: str | None = None,
+                            auto: bool = False, json_out: bool = False) -> int:
+    """``batchspec triage PATH [--class C --why TEXT --source FILE:LINE] [--auto]``: show, compute or set
+    the triage class of one finding or of every finding of a corpus.  Exit 0, or 2 on bad input."""
+    import json
+    import sys
+
+    from fuzz.corpus import read_group
+    from spec.io import FormatError
+
+    try:
+        if cls is not None and cls not in CLASSES:
+            raise TriageInputError(f"--class: must be one of {', '.join(CLASSES)}, got {cls!r}")
+        corpus, names = finding_names(path)
+        if cls is not None and len(names) != 1:
+            raise TriageInputError(f"{path}: --class sets one finding's class; give its .jsonl, .md or .group.json")
+        rows = []
+        for name in names:
+            if cls is not None:
+                triage = set_triage(corpus, name, cls, why, source)
+            else:
+                triage = read_group(corpus, name).get("triage")
+                if auto and (triage is None or triage.get("by") != "human"):
+                    triage = auto_triage(corpus, name)
+                    write_triage(corpus, name, triage)
+            rows.append((name, triage))
+    except (TriageInputError, FormatError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if json_out:
+        print(json.dumps({name: triage for name, triage in rows}, indent=1, default=str))
+        return 0
+    for name, triage in rows:
+        if triage is None:
+            print(f"{name}: not triaged (batchspec triage {corpus / name}.jsonl --auto, or --class ...)")
+        else:
+            print(f"{name}: {triage['class']} ({triage.get('status', 'candidate')}, by {triage.get('by', 'auto')}): "
+                  f"{triage.get('why', '')}")
+    counts = {c: sum(1 for _, t in rows if (t or {}).get("class", UNTRIAGED) == c) for c in CLASSES}
+    print(", ".join(f"{n} {c}" for c, n in counts.items() if n) or "no findings")
+    return 0
