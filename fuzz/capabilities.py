@@ -484,8 +484,8 @@ def _vllm() -> Envelope:
         # reject_unservable=false only makes both sides stall to max_steps: left at the profile's value
         if knob in _free_knobs("vllm-v1") or knob == "reject_unservable":
             continue
-        if knob == "async_scheduling":  # measured on its own: examples/vllm-v1-async.capabilities.json
-            continue
+        if knob in ("async_scheduling", "num_speculative_tokens"):  # measured on their own:
+            continue  # examples/vllm-v1-async.capabilities.json, vllm-v1-specdec*.capabilities.json
         knobs[knob] = ("fcfs", "priority") if knob == "policy" else (False, True) if _TYPES[knob] is bool else Range()
     return Envelope("vllm-v1", knobs, source="fuzz.vllm_adapter.MAPPED_KNOBS")
 
@@ -566,6 +566,9 @@ RULE_NEEDS: dict[str, dict[str, Any]] = {
         "ABORT_DROPS_OUTPUT", "LAST_TOKEN_IN_FLIGHT", "OUTPUTS_NEXT_STEP", "PLACEHOLDER", "PLACEHOLDERS_COUNT",
         "PREEMPT_ZEROES_PLACEHOLDERS", "STALE_OUTPUT")},
     "ASYNC.CACHE_AFTER_OUTPUT": {"async_scheduling": (True,), "enable_prefix_caching": (True,)},
+    **{f"SPEC.{name}": {"num_speculative_tokens": _positive} for name in (
+        "PROPOSE", "DRAFT_SCHEDULE", "PAD_ADMISSION", "ACCEPT", "ROLLBACK", "PREEMPT_DISCARDS", "STOP_IN_DRAFTS")},
+    "SPEC.ASYNC_DRAFT_PLACEHOLDERS": {"num_speculative_tokens": _positive, "async_scheduling": (True,)},
     **{f"SWAP.{name}": {"preemption_mode": ("swap",)} for name in ("BEFORE_WAITING", "FALLBACK_RECOMPUTE", "IN", "OUT")},
     "BATCH.PREFILL_FIRST": {"batching": ("prefill-first",)}, "BATCH.STATIC": {"batching": ("static",)},
     "BATCH.MAX_NUM_SEQS_PER_STEP": {"max_num_seqs_scope": ("step",)},

@@ -24,7 +24,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
-from fuzz.generate import FEATURES, random_trace, trace_features
+from fuzz.generate import FEATURES, REQUEST_FEATURES, SPEC_FEATURES, random_trace, trace_features
+
+#: What puts a trace in each feature area, for the table.
+AREAS = {**FEATURES, **REQUEST_FEATURES, **SPEC_FEATURES}
 
 
 @dataclass
@@ -121,11 +124,23 @@ def trace_for(seed: int, envelope=None, features: bool = False):
     if envelope is None or envelope.everything or envelope.admits(trace.config):
         return trace
     pinned = {k: v[0] for k, v in envelope.knobs.items() if isinstance(v, tuple) and len(v) == 1}
+    pinned.update(_rotated(seed, envelope))
     if pinned and envelope.profile == "vllm-v1":
         trace = random_trace(seed, **pinned, **draw)
         if envelope.admits(trace.config):
             return trace
     return random_trace(seed, **envelope.options(seed, seed=0), **draw)
+
+
+def _rotated(seed: int, envelope) -> dict[str, Any]:
+    """Knobs the envelope lists several values of, none of them the profile's (the generator
+    never draws them, e.g. ``num_speculative_tokens: [1, 2, 3, 4]``): the value for ``seed``,
+    in turn, so the run covers each."""
+    from spec.config import PROFILES
+
+    base = PROFILES[envelope.profile].config
+    return {k: v[seed % len(v)] for k, v in envelope.knobs.items()
+            if isinstance(v, tuple) and len(v) > 1 and getattr(base, k) not in v}
 
 
 def check_one(seed: int, engine: str, level: str, envelope=None, features: bool = False) -> TraceOutcome:
@@ -236,7 +251,7 @@ def render_table(report: ConformanceReport):
     for name, stats in report.areas().items():
         style = "bold" if name == "all" else ("red" if stats.agreed < stats.traces else None)
         table.add_row(name, str(stats.traces), str(stats.agreed), f"{stats.percent:.1f}",
-                      FEATURES.get(name, "every trace"), style=style)
+                      AREAS.get(name, "every trace"), style=style)
     return table
 
 

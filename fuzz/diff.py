@@ -159,6 +159,8 @@ STATE_RULES = {
     "estimate_rem": "ESTIMATE.ADMIT",
     "cache_registered": "CACHE.REGISTER_AT_ALLOCATION",
     "hit_blocks": "CACHE.HIT",
+    "drafts": "SPEC.DRAFT_SCHEDULE",
+    "accepted": "SPEC.ACCEPT",
 }
 _FLOAT_FIELDS = ("vtc_counters", "estimate_rem")
 
@@ -213,6 +215,8 @@ _FAMILIES = {
     "estimate_rem": ("ESTIMATE.",),
     "cache_registered": ("CACHE.",),
     "hit_blocks": ("CACHE.",),
+    "drafts": ("SPEC.", "RUN.", "ADMIT.", "BUDGET."),
+    "accepted": ("SPEC.ACCEPT", "SPEC.ROLLBACK"),
 }
 
 

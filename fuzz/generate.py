@@ -68,6 +68,15 @@ REQUEST_FEATURES = {
     "adaptive_long_prefill": "long_prefill_token_threshold_adaptive with a long-prefill cap",
 }
 
+#: Feature areas of speculative decoding (issue 15 item 2), drawn when num_speculative_tokens > 0
+#: is given (engines declare it in their capability envelope).
+SPEC_FEATURES = {
+    "spec_decode": "num_speculative_tokens > 0 (scripted acceptance: spec_accept or spec_accept_rate)",
+    "async_spec_decode": "num_speculative_tokens > 0 with async_scheduling",
+    "spec_rollback": "the run rolled back rejected drafts",
+    "spec_padded_admission": "the run padded an admission with dummy drafts (SPEC.PAD_ADMISSION)",
+}
+
 BLOCK_SIZES = (4, 8, 16)
 MAX_PROMPT = 80
 _KNOBS = {f.name for f in fields(SchedulerConfig)} - {"profile"}
@@ -145,6 +154,12 @@ def _respect_vllm_limits(cfg: dict[str, Any], fixed: set[str]) -> None:
             cfg["max_num_batched_tokens"] = cfg["max_num_seqs"]
     if cfg.get("long_prefill_token_threshold", 0) > cfg["max_model_len"] and "long_prefill_token_threshold" not in fixed:
         cfg["long_prefill_token_threshold"] = cfg["max_model_len"]
+    k = cfg.get("num_speculative_tokens", 0)
+    if k and cfg["max_num_batched_tokens"] < 1 + k and "max_num_batched_tokens" not in fixed:
+        cfg["max_num_batched_tokens"] = 1 + k  # a padded decode (SPEC.PAD_ADMISSION) must fit the budget
+    if k and 0 < cfg.get("long_prefill_token_threshold", 0) < 1 + k and "long_prefill_token_threshold" not in fixed:
+        # below 1 + K vLLM asserts on a padded admission; above max_model_len it refuses the config
+        cfg["long_prefill_token_threshold"] = 1 + k if 1 + k <= cfg["max_model_len"] else 0
     if cfg.get("max_num_active_seqs", 0) > cfg["max_num_seqs"]:  # vLLM refuses more active than max_num_seqs
         if "max_num_seqs" not in fixed:
             cfg["max_num_seqs"] = min(cfg["max_num_active_seqs"], cfg["max_num_batched_tokens"])
@@ -362,6 +377,8 @@ def random_trace(seed: int, **options: Any) -> Trace:
         _draw_tenants(random.Random(f"tenants:{seed}"), cfg, requests, options)
     if options.get("slo", _uses_slo(cfg)):
         requests = _draw_slo(random.Random(f"slo:{seed}"), requests)
+    if cfg.get("num_speculative_tokens"):
+        requests = _draw_spec_accept(random.Random(f"spec:{seed}"), requests, cfg["num_speculative_tokens"])
     if options.get("request_features"):
         feature_rng = random.Random(f"features:{seed}")
         requests = _draw_request_features(feature_rng, requests)
@@ -396,6 +413,24 @@ def _draw_slo(rng: random.Random, requests: list[TraceRequest]) -> list[TraceReq
         tpot = rng.choice((None, 1, 2, 3))
         pred = rng.choice((None, r.max_tokens, rng.randint(0, r.max_tokens + 4)))
         out.append(replace(r, ttft_slo=ttft, tpot_slo=tpot, predicted_output_len=pred))
+    return out
+
+
+def _draw_spec_accept(rng: random.Random, requests: list[TraceRequest], k: int) -> list[TraceRequest]:
+    """Speculative decoding's scripted acceptance (rule SPEC.ACCEPT), from its own generator (so
+    the rest of the trace keeps its draws): two in five requests a ``spec_accept`` list of 1-4
+    counts in 0..K (0 and K favoured), two in five a ``spec_accept_rate``, the rest accept every
+    draft."""
+    out = []
+    for r in requests:
+        u = rng.random()
+        if u < 0.4:
+            script = tuple(rng.choice((0, k, rng.randint(0, k))) for _ in range(rng.randint(1, 4)))
+            out.append(replace(r, spec_accept=script))
+        elif u < 0.8:
+            out.append(replace(r, spec_accept_rate=rng.choice((0.0, 0.3, 0.5, 0.8, 1.0))))
+        else:
+            out.append(r)
     return out
 
 
@@ -461,6 +496,10 @@ def trace_features(trace: Trace, records: Iterable[StepRecord] | None = None) ->
         tags.add("watermark")
     if not cfg["scheduler_reserve_full_isl"]:
         tags.add("reserve_first_chunk")
+    if cfg["num_speculative_tokens"]:
+        tags.add("spec_decode")
+        if cfg["async_scheduling"]:
+            tags.add("async_spec_decode")
     if (trace.vocab_size < 100 or bs not in BLOCK_SIZES or budget <= 3 or len(trace.requests) > 12
             or mml <= 12 or cfg["watermark"] >= 0.3):
         tags.add("stress")
@@ -489,4 +528,8 @@ def trace_features(trace: Trace, records: Iterable[StepRecord] | None = None) ->
             tags.add("eviction")
         if any(why == "max_model_len" for _, why in rec.finished):
             tags.add("max_model_len")
+        if rec.drafts and rec.accepted is not None and any(a < rec.drafts.get(r, 0) for r, a in rec.accepted.items()):
+            tags.add("spec_rollback")
+        if rec.drafts and set(rec.drafts) & (set(rec.new) | set(rec.resumed)):
+            tags.add("spec_padded_admission")
     return tags

@@ -60,6 +60,7 @@ from typing import Any
 
 from fuzz.replay import EngineConfigError, EngineUnavailable
 from spec.config import PROFILES, SchedulerConfig, resolve
+from spec.specdec import accepted_drafts as _counted_accepted_drafts
 from spec.formats import (
     FINISH_EOS,
     FINISH_MAX_MODEL_LEN,
@@ -89,7 +90,7 @@ MAPPED_KNOBS = frozenset({
     "num_blocks", "block_size", "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs",
     "max_model_len", "enable_chunked_prefill", "long_prefill_token_threshold", "policy",
     "scheduler_reserve_full_isl", "watermark", "reject_unservable", "max_steps", "async_scheduling",
-    "max_num_active_seqs", "long_prefill_token_threshold_adaptive",
+    "max_num_active_seqs", "long_prefill_token_threshold_adaptive", "num_speculative_tokens",
 })
 
 #: Why vLLM 0.32 has only the ``vllm-v1`` value of some of the other knobs.
@@ -102,6 +103,9 @@ FIXED_BY_VLLM = {
     "batching": "vLLM V1 batches continuously: running requests first, then admissions",
     "kv_reservation": "vLLM V1 allocates blocks step by step as a request grows",
 }
+
+#: SPEC.ACCEPT without counting it as the spec's rule firing (the adapter only reads the script)
+accepted_drafts = _counted_accepted_drafts.__wrapped__
 
 _VLLM: dict[str, Any] = {}  # lazily imported vLLM names, shared by every engine of the process
 
@@ -130,7 +134,7 @@ def vllm_modules() -> dict[str, Any]:
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
         from vllm.v1.request import Request, RequestStatus
         from vllm.v1.structured_output import StructuredOutputManager
     except ImportError as e:  # pragma: no cover - depends on the environment
@@ -149,7 +153,7 @@ def vllm_modules() -> dict[str, Any]:
         VllmConfig=VllmConfig, SamplingParams=SamplingParams, sha256=sha256,
         get_request_block_hasher=get_request_block_hasher, resolve_kv_cache_block_sizes=resolve_kv_cache_block_sizes,
         Scheduler=Scheduler, AsyncScheduler=AsyncScheduler, FullAttentionSpec=FullAttentionSpec, KVCacheConfig=KVCacheConfig,
-        KVCacheGroupSpec=KVCacheGroupSpec, ModelRunnerOutput=ModelRunnerOutput, Request=Request,
+        KVCacheGroupSpec=KVCacheGroupSpec, ModelRunnerOutput=ModelRunnerOutput, DraftTokenIds=DraftTokenIds, Request=Request,
         RequestStatus=RequestStatus, StructuredOutputManager=StructuredOutputManager, version=vllm.__version__,
     )
     return _VLLM
@@ -245,7 +249,8 @@ def build_scheduler(cfg: SchedulerConfig, vocab_size: int, eos_token_id: int, re
             async_scheduling=cfg.async_scheduling,
         )
         cache_config = v["CacheConfig"](block_size=cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
-        vllm_config = v["VllmConfig"](scheduler_config=scheduler_config, model_config=model_config, cache_config=cache_config)
+        vllm_config = v["VllmConfig"](scheduler_config=scheduler_config, model_config=model_config, cache_config=cache_config,
+                                      speculative_config=speculative_config(cfg))
     except ValueError as e:  # pydantic's ValidationError is a ValueError: vLLM refuses the configuration
         raise EngineConfigError(f"vLLM {release} refuses this configuration: {e}") from None
     if cfg.async_scheduling:
@@ -269,6 +274,20 @@ def build_scheduler(cfg: SchedulerConfig, vocab_size: int, eos_token_id: int, re
     return scheduler, hash_block_size
 
 
+def speculative_config(cfg: SchedulerConfig) -> dict | None:
+    """vLLM's ``speculative_config`` for ``num_speculative_tokens`` K: the n-gram method, the one
+    built without weights (VllmConfig turns the dict into a SpeculativeConfig as ``vllm serve
+    --speculative-config`` does).  Its proposals are never computed here: the adapter feeds the
+    drafts itself (:meth:`VllmEngine._propose`), so the n-gram sizes only need to be valid."""
+    if not cfg.num_speculative_tokens:
+        return None
+    # with async scheduling vLLM accepts only drafters that run on the device: "ngram_gpu", the
+    # n-gram method a GPU deployment uses (no weights either, no lookahead slots)
+    method = "ngram_gpu" if cfg.async_scheduling else "ngram"
+    return {"method": method, "num_speculative_tokens": cfg.num_speculative_tokens,
+            "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+
+
 def _check_config_kept(cfg: SchedulerConfig, vllm_config) -> None:
     """vLLM's platform hooks may rewrite a config; make sure ours survived intact."""
     sc, cc, mc = vllm_config.scheduler_config, vllm_config.cache_config, vllm_config.model_config
@@ -287,6 +306,10 @@ def _check_config_kept(cfg: SchedulerConfig, vllm_config) -> None:
         changed["async_scheduling"] = (cfg.async_scheduling, sc.async_scheduling)
     if cfg.async_scheduling and vllm_config.max_concurrent_batches != 2:
         changed["max_concurrent_batches"] = (2, vllm_config.max_concurrent_batches)
+    if vllm_config.num_speculative_tokens != cfg.num_speculative_tokens:
+        changed["num_speculative_tokens"] = (cfg.num_speculative_tokens, vllm_config.num_speculative_tokens)
+    if vllm_config.num_lookahead_tokens != 0:  # SPEC.LOOKAHEAD_SLOTS: the n-gram drafter reserves none
+        changed["num_lookahead_tokens"] = (0, vllm_config.num_lookahead_tokens)
     if sc.max_num_scheduled_tokens not in (None, cfg.max_num_batched_tokens):
         changed["max_num_scheduled_tokens"] = (cfg.max_num_batched_tokens, sc.max_num_scheduled_tokens)
     if changed:
@@ -320,7 +343,8 @@ class VllmEngine:
         self._evicted: list[int] = []
         self._applied: dict[str, int] = {}  # tokens update_from_output appended, in order
         self._in_update = False
-        self._in_flight = None  # async: (SchedulerOutput, ModelRunnerOutput) of the batch in flight
+        self._in_flight = None  # async: the batch in flight (SchedulerOutput and what its requests sample)
+        self._verifications: dict[str, int] = {}  # request -> batches with proposed drafts so far (SPEC.ACCEPT)
         self._last_record: StepRecord | None = None
         self._observe()
 
@@ -408,49 +432,92 @@ class VllmEngine:
 
     def step(self) -> StepRecord:
         """``schedule()``, the fake model's sampling, ``update_from_output()``; one record."""
-        v = vllm_modules()
         before = {rid: r.status for rid, r in self.scheduler.requests.items()}
         out = self.scheduler.schedule()
         scheduled = list(out.num_scheduled_tokens.items())
         new = [rid for rid, _ in scheduled if before.get(rid) == self._status.WAITING]
         resumed = [rid for rid, _ in scheduled if before.get(rid) == self._status.PREEMPTED]
         hits = {rid: self.scheduler.requests[rid].num_computed_tokens - n for rid, n in scheduled if rid in new or rid in resumed}
-        sampled: dict[str, int] = {}
-        for rid, _ in scheduled:
-            request = self.scheduler.requests[rid]
-            if not request.is_prefill_chunk:
-                # the output index this token will have: known outputs, plus those still in
-                # flight (async: this step's own placeholder is already counted)
-                index = len(request.output_token_ids) + max(request.num_output_placeholders - 1, 0)
-                # (min_tokens: the sampler's mask of stop tokens, which vLLM applies outside the scheduler)
-                sampled[rid] = self.sources[rid].output_token(index, self.vocab_size, self.eos_token_id)
-        ids = [rid for rid, _ in scheduled]
-        runner_output = v["ModelRunnerOutput"](
-            req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)},
-            sampled_token_ids=[[sampled[rid]] if rid in sampled else [] for rid in ids],
-        )
-        batch = (out, runner_output)
+        drafts = {rid: len(out.scheduled_spec_decode_tokens[rid]) for rid, _ in scheduled
+                  if out.scheduled_spec_decode_tokens.get(rid)}
+        batch = (out, self._sample(scheduled, drafts, set(new) | set(resumed)))
         if self.config.async_scheduling:  # EngineCore.step_with_batch_queue: schedule N+1, then update N
             batch, self._in_flight = self._in_flight, batch
+        accepted: dict[str, int] = {}
         self._in_update = True
         try:
             if batch is not None:
-                self.scheduler.update_from_output(*batch)
+                self.scheduler.update_from_output(batch[0], self._runner_output(*batch))
         finally:
             self._in_update = False
         sampled, self._applied = self._applied, {}
+        if batch is not None:
+            accepted = {rid: a for rid, a in batch[1].items() if rid in sampled and batch[0].scheduled_spec_decode_tokens.get(rid)}
+            if self.config.num_speculative_tokens and not self.config.async_scheduling:
+                self._propose(batch[0])
         record = StepRecord(
             step=-1, scheduled=scheduled, new=new, resumed=resumed, preempted=self._preempted,
             finished=[(r.request_id, self._finish_reason(r)) for r in self._freed],
             aborted=self._aborted, rejected=self._rejected, sampled=sampled, cache_hits=hits,
             evicted=self._evicted, num_evicted=len(self._evicted),
         )
+        if self.config.num_speculative_tokens:
+            record.drafts, record.accepted = drafts, accepted
         if self.config.async_scheduling:
             record.outputs_step = self._last_record.step if self._last_record is not None else -1
             self._last_record = record
         self._memory(record)
         self._rejected, self._aborted, self._preempted, self._freed, self._evicted = [], [], [], [], []
         return record
+
+    def _sample(self, scheduled: list[tuple[str, int]], drafts: dict[str, int], admitted: set[str]) -> dict[str, int]:
+        """Which scheduled requests the fake model samples for (those whose prefill is complete
+        after the step, ``not request.is_prefill_chunk``), each with the drafts it accepts:
+        the trace's script for a batch with proposed drafts, numbered when scheduled
+        (spec.specdec's SPEC.ACCEPT), none of a padded admission's dummy drafts."""
+        samplers: dict[str, int] = {}
+        for rid, _ in scheduled:
+            if self.scheduler.requests[rid].is_prefill_chunk:
+                continue
+            samplers[rid] = 0
+            if drafts.get(rid) and rid not in admitted:
+                j = self._verifications.get(rid, 0)
+                self._verifications[rid] = j + 1
+                samplers[rid] = accepted_drafts(self.sources[rid], j, drafts[rid])
+        return samplers
+
+    def _runner_output(self, out, samplers: dict[str, int]):
+        """The fake model's ``ModelRunnerOutput`` for a batch, made when its outputs are applied:
+        ``1 + accepted`` tokens per sampler, the trace's tokens from the request's current
+        output count on (async: the batch before has been applied by then, whatever number of
+        drafts it accepted).  ``min_tokens``: the sampler's mask of stop tokens, which vLLM
+        applies outside the scheduler, is in ``output_token``."""
+        ids = list(out.num_scheduled_tokens)
+        tokens = []
+        for rid in ids:
+            request = self.scheduler.requests.get(rid)
+            if rid not in samplers or request is None:
+                tokens.append([])
+                continue
+            n = len(request.output_token_ids)
+            tokens.append([self.sources[rid].output_token(n + i, self.vocab_size, self.eos_token_id)
+                           for i in range(1 + samplers[rid])])
+        return vllm_modules()["ModelRunnerOutput"](
+            req_ids=ids, req_id_to_index={rid: i for i, rid in enumerate(ids)}, sampled_token_ids=tokens,
+        )
+
+    def _propose(self, out) -> None:
+        """Synchronous speculative decoding: after the step, the drafter's K proposals for every
+        request of the batch (EngineCore.post_step -> ``update_draft_token_ids``, which itself
+        skips finished requests and prefill chunks).  The drafts are the tokens the trace's
+        token rule samples next (SPEC.PROPOSE); their values do not matter to the scheduler."""
+        ids = [rid for rid in out.num_scheduled_tokens if rid in self.scheduler.requests]
+        k = self.config.num_speculative_tokens
+        proposals = []
+        for rid in ids:
+            n = len(self.scheduler.requests[rid].output_token_ids)
+            proposals.append([self.sources[rid].output_token(n + i, self.vocab_size, self.eos_token_id) for i in range(k)])
+        self.scheduler.update_draft_token_ids(vllm_modules()["DraftTokenIds"](ids, proposals))
 
     def _memory(self, record: StepRecord) -> None:
         memory_fields(self.scheduler, record)

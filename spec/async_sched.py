@@ -40,6 +40,8 @@ class InFlight:
     request_id: str
     index: int
     preemptions: int
+    drafts: int = 0  # speculative decoding: drafts scheduled with it (SPEC.DRAFT_SCHEDULE)
+    accepted: int = 0  # of which the model accepts (SPEC.ACCEPT): it delivers 1 + accepted tokens
 
 
 SAME_STEP = declare(
@@ -136,15 +138,17 @@ def launch(eng: "SpecEngine", out) -> list[InFlight]:
     """The tokens the step just scheduled will sample: one per sampler, at its next
     output index (known outputs plus earlier placeholders)."""
     flight = []
-    for rid in out.samplers:
-        req = eng.requests[rid]
-        flight.append(InFlight(rid, len(req.output_token_ids) + req.num_output_placeholders - 1, req.num_preemptions))
+    for s in out.scheduled:
+        if s.samples:
+            req = eng.requests[s.request_id]
+            index = len(req.output_token_ids) + req.num_output_placeholders - 1 - s.drafts
+            flight.append(InFlight(s.request_id, index, req.num_preemptions, s.drafts, s.accepted))
     return flight
 
 
 @rule("ASYNC.OUTPUTS_NEXT_STEP", knobs=("async_scheduling",))
-def apply_outputs(eng: "SpecEngine", flight: list[InFlight], fed: dict[str, int], reasons: list[dict]
-                  ) -> tuple[list[tuple[str, str]], dict[str, int]]:
+def apply_outputs(eng: "SpecEngine", flight: list[InFlight], fed: dict[str, int], reasons: list[dict],
+                  accepted: dict[str, int] | None = None) -> tuple[list[tuple[str, str]], dict[str, int]]:
     """Step N's sampled tokens are applied after step N+1 was scheduled, in step N's
     batch order: each token is appended, the request loses one placeholder, its blocks
     are cached (ASYNC.CACHE_AFTER_OUTPUT), the stop rules run and a finished request is
@@ -152,8 +156,15 @@ def apply_outputs(eng: "SpecEngine", flight: list[InFlight], fed: dict[str, int]
     request that this very update finishes (its token is dropped one step later,
     ASYNC.ABORT_DROPS_OUTPUT), and memory freed by a finish is first usable by step N+2.
 
-    Returns the finished requests (in freeing order) and the tokens applied."""
+    With speculative decoding a batch entry delivers ``1 + accepted`` tokens from output
+    index ``len(outputs)`` on (the earlier batch's tokens are applied by then, however many
+    drafts it had accepted): its rejected drafts are rolled back first (SPEC.ROLLBACK) and
+    the tokens appended under the stop rules one by one (SPEC.STOP_IN_DRAFTS); ``accepted``
+    collects the drafts accepted per request.
+
+    Returns the finished requests (in freeing order) and the tokens applied (the first of each)."""
     from spec.scheduler import Status, check_stop
+    from spec.specdec import append_outputs, output_tokens, rollback, verified
 
     finished: list[tuple[str, str]] = []
     took: dict[str, int] = {}
@@ -163,15 +174,23 @@ def apply_outputs(eng: "SpecEngine", flight: list[InFlight], fed: dict[str, int]
             fired(ABORT_DROPS)
             continue
         stale = req.num_preemptions != f.preemptions
-        token = fed[f.request_id] if f.request_id in fed else req.source.output_token(f.index, eng.vocab_size, eng.eos_token_id)
+        # with drafts in flight the index depends on how many the batch before accepted: the
+        # tokens go at the end of the outputs (f.index, fixed at launch, is the same without drafts)
+        index = len(req.output_token_ids) if eng.num_spec else f.index
+        token = fed[f.request_id] if f.request_id in fed else req.source.output_token(index, eng.vocab_size, eng.eos_token_id)
         took[f.request_id] = token
         was_running = req.status == Status.RUNNING
-        req.append_output_token(token)
-        why = check_stop(req, token, eng.config)
+        if f.drafts:
+            rollback(req, f.drafts, f.accepted, stale)
+            if accepted is not None:
+                accepted[f.request_id] = f.accepted
+            reasons.append(reason("SPEC.ACCEPT", f.request_id, verified(f.drafts, f.accepted)))
+        tokens, why = append_outputs(req, output_tokens(req, token, f.accepted, eng.vocab_size, eng.eos_token_id),
+                                     lambda r, t: check_stop(r, t, eng.config))
         if stale:
             reasons.append(reason("ASYNC.STALE_OUTPUT", f.request_id, stale_output(req)))
         else:
-            req.num_output_placeholders -= 1
+            req.num_output_placeholders -= len(tokens)
         if was_running and not stale:
             cache_after_output(eng, req)
         if why is not None:

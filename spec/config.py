@@ -179,6 +179,10 @@ class SchedulerConfig:
     #: scheduled, and a token in flight is an output placeholder (vLLM's AsyncScheduler with
     #: the engine core's batch queue of 2; vLLM turns it on wherever it is supported).
     async_scheduling: bool = False
+    #: Speculative decoding (rules SPEC.*): draft tokens proposed per request and step, 0 = off.
+    #: A decode schedules 1 + K tokens, the model accepts some drafts and rejected ones are
+    #: rolled back (vLLM's speculative_config num_speculative_tokens, n-gram drafter).
+    num_speculative_tokens: int = 0
 
     # --- harness ----------------------------------------------------------
     #: Steps after which a run is abandoned as non-terminating.
@@ -283,6 +287,11 @@ class StepPlan:
     #: When a step's sampled tokens are applied: at the end of the same step
     #: (STEP.OUTPUTS_SAME_STEP), or after the next step was scheduled (ASYNC.OUTPUTS_NEXT_STEP).
     outputs: str = "STEP.OUTPUTS_SAME_STEP"
+    #: Speculative decoding's rules in force (SPEC.*; empty when num_speculative_tokens is 0):
+    #: how drafts are proposed (SPEC.PROPOSE after the output, SPEC.ASYNC_DRAFT_PLACEHOLDERS at
+    #: scheduling), scheduled (SPEC.DRAFT_SCHEDULE), padded (SPEC.PAD_ADMISSION), verified
+    #: (SPEC.ACCEPT, SPEC.ROLLBACK) and discarded (SPEC.PREEMPT_DISCARDS).
+    speculative: tuple[str, ...] = ()
 
 
 def step_plan(cfg: "SchedulerConfig") -> StepPlan:
@@ -330,7 +339,18 @@ def step_plan(cfg: "SchedulerConfig") -> StepPlan:
         on_schedule=("VTC.CHARGE",) if cfg.policy == "vtc" else (),
         running_checks=("ASYNC.LAST_TOKEN_IN_FLIGHT",) if cfg.async_scheduling else (),
         outputs="ASYNC.OUTPUTS_NEXT_STEP" if cfg.async_scheduling else "STEP.OUTPUTS_SAME_STEP",
+        speculative=speculative_rules(cfg),
     )
+
+
+def speculative_rules(cfg: "SchedulerConfig") -> tuple[str, ...]:
+    """The SPEC.* rules of a step under ``cfg`` (none without speculative decoding): drafts
+    are proposed after the output (synchronous) or as placeholders when scheduled (async)."""
+    if not cfg.num_speculative_tokens:
+        return ()
+    propose = "SPEC.ASYNC_DRAFT_PLACEHOLDERS" if cfg.async_scheduling else "SPEC.PROPOSE"
+    return (propose, "SPEC.DRAFT_SCHEDULE", "SPEC.PAD_ADMISSION", "SPEC.ACCEPT", "SPEC.ROLLBACK",
+            "SPEC.PREEMPT_DISCARDS")
 
 
 @dataclass(frozen=True)
@@ -669,6 +689,8 @@ def validate(cfg: SchedulerConfig) -> SchedulerConfig:
         raise ConfigError("prefill_chunking", "first-continues needs batching=prefill-first")
     if cfg.async_scheduling:
         _check_async(cfg)
+    if cfg.num_speculative_tokens:
+        _check_speculative(cfg)
     return cfg
 
 
@@ -686,6 +708,31 @@ def _check_async(cfg: SchedulerConfig) -> None:
         if getattr(cfg, name) != value:
             raise ConfigError(name, f"async_scheduling=true is specified with {name}={value} (vLLM V1's), "
                                     f"not {getattr(cfg, name)!r}")
+
+
+def _check_speculative(cfg: SchedulerConfig) -> None:
+    """Speculative decoding is specified with vLLM V1's scheduler (the knobs of ASYNC_NEEDS),
+    FCFS or priority; the errors name the other knob, as _check_async's do."""
+    k = cfg.num_speculative_tokens
+    if not 0 <= k <= LIMITS["num_speculative_tokens"]:
+        raise ConfigError("num_speculative_tokens", f"must be in [0, {LIMITS['num_speculative_tokens']}], got {k}")
+    for name, value in ASYNC_NEEDS.items():
+        if getattr(cfg, name) != value:
+            raise ConfigError(name, f"num_speculative_tokens > 0 is specified with {name}={value} (vLLM V1's), "
+                                    f"not {getattr(cfg, name)!r}")
+    if cfg.policy not in ("fcfs", "priority") or cfg.preemption_victim != "policy":
+        raise ConfigError("policy", f"num_speculative_tokens > 0 is specified with policy fcfs or priority "
+                                    f"(vLLM's), not {cfg.policy!r}")
+    if cfg.max_num_batched_tokens < 1 + k:
+        # a padded admission (SPEC.PAD_ADMISSION) needs 1 + K tokens of budget, or never comes
+        raise ConfigError("max_num_batched_tokens", f"{cfg.max_num_batched_tokens} < 1 + num_speculative_tokens "
+                                                    f"({1 + k}): a padded decode could never be scheduled")
+    if 0 < cfg.long_prefill_token_threshold < 1 + k:
+        # vLLM 0.32 cuts a padded admission to the threshold and then fails its own
+        # `assert num_new_tokens == 1 + self.num_spec_tokens` (scheduler.py, waiting loop)
+        raise ConfigError("long_prefill_token_threshold", f"{cfg.long_prefill_token_threshold} < 1 + "
+                                                          f"num_speculative_tokens ({1 + k}): vLLM asserts on a "
+                                                          "padded admission cut by it")
 
 
 def resolve(raw: dict[str, Any] | None) -> SchedulerConfig:

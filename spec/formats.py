@@ -43,7 +43,8 @@ LIMITS = {
     "arrival_time": 1e9,  # seconds (about 31 years)
     "priority": 2**31 - 1,  # |priority|
     "vocab_size": 16_777_216,  # tokens in the vocabulary
-    "token_list": 65_536,  # entries of stop_token_ids
+    "token_list": 65_536,  # entries of stop_token_ids (and of spec_accept)
+    "num_speculative_tokens": 64,  # draft tokens per step (the num_speculative_tokens knob)
 }
 
 #: Optional request fields of service-level targets and output budgets (issue 19), written only when set.
@@ -135,6 +136,12 @@ class TraceRequest:
     # the arrival_time vLLM's Request carries (the client's clock, seconds): priority ties go to
     # the smaller one, whatever order the requests reached the scheduler in; None: the order of arrival
     client_arrival_time: float | None = None
+    # speculative decoding (issue 15 item 2, rule SPEC.ACCEPT), written only when set: drafts accepted
+    # at the request's j-th verification, spec_accept[j mod len] (at most those scheduled); or each
+    # draft accepted with probability spec_accept_rate (a seeded draw, up to the first rejection);
+    # neither: every draft.  A draft is the token the request's token rule samples at its position.
+    spec_accept: tuple[int, ...] = ()
+    spec_accept_rate: float | None = None
 
     def prompt_token_ids(self, vocab_size: int = DEFAULT_VOCAB_SIZE) -> list[int]:
         """The prompt's token ids: explicit, or synthesized from the id and prefix group.
@@ -203,6 +210,10 @@ class TraceRequest:
             out["min_tokens"] = self.min_tokens
         if self.client_arrival_time is not None:
             out["client_arrival_time"] = self.client_arrival_time
+        if self.spec_accept:
+            out["spec_accept"] = list(self.spec_accept)
+        if self.spec_accept_rate is not None:
+            out["spec_accept_rate"] = self.spec_accept_rate
         return out
 
     @classmethod
@@ -228,6 +239,8 @@ class TraceRequest:
             cache_salt=obj.get("cache_salt"),
             min_tokens=obj.get("min_tokens", 0),
             client_arrival_time=obj.get("client_arrival_time"),
+            spec_accept=tuple(obj.get("spec_accept", ())),
+            spec_accept_rate=obj.get("spec_accept_rate"),
         )
 
 
@@ -313,6 +326,11 @@ class StepRecord:
     estimate_rem: float | None = None  # admission="estimate": rem_total_tokens as the admission round began
     cache_registered: dict[str, list[int]] | None = None  # request -> block ordinals registered in the prefix cache
     hit_blocks: dict[str, list[int]] | None = None  # admitted request -> ids of its prefix-hit blocks
+    # speculative decoding (num_speculative_tokens > 0): request -> draft tokens scheduled in this
+    # step's batch (padded admissions' dummy drafts included), and request -> drafts accepted among
+    # the outputs this record applies (before a stop token trims them); only requests with drafts
+    drafts: dict[str, int] | None = None
+    accepted: dict[str, int] | None = None
 
     def to_json(self, level: str = "exact") -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -382,6 +400,8 @@ class StepRecord:
             estimate_rem=obj.get("estimate_rem"),
             cache_registered=obj.get("cache_registered"),
             hit_blocks=obj.get("hit_blocks"),
+            drafts=obj.get("drafts"),
+            accepted=obj.get("accepted"),
         )
 
     def level(self) -> str:
@@ -417,6 +437,8 @@ STATE_FIELDS = {
     "estimate_rem": "memory",
     "cache_registered": "memory",
     "hit_blocks": "exact",
+    "drafts": "decisions",
+    "accepted": "decisions",
 }
 
 

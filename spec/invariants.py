@@ -153,9 +153,11 @@ def _idle_holds_nothing(eng: "SpecEngine") -> Iterator[str]:
 @invariant("REQ.COMPUTED_LE_TOKENS", bugs=("VLLM-17", "VLLM-18", "VLLM-11"))
 def _computed(eng: "SpecEngine") -> Iterator[str]:
     """computed <= tokens for every request (output placeholders included under async
-    scheduling); outputs never exceed max_tokens."""
+    scheduling); outputs never exceed max_tokens.  A request that stopped in the middle of its
+    accepted drafts keeps their positions computed, at most K of them (SPEC.STOP_IN_DRAFTS)."""
     for rid, req in eng.requests.items():
-        if req.num_computed_tokens > req.num_tokens_with_placeholders:
+        slack = getattr(eng, "num_spec", 0) if req.finish_reason is not None else 0
+        if req.num_computed_tokens > req.num_tokens_with_placeholders + slack:
             yield f"{rid}: computed {req.num_computed_tokens} > tokens {req.num_tokens_with_placeholders}"
         if len(req.output_token_ids) > req.max_tokens:
             yield f"{rid}: {len(req.output_token_ids)} outputs > max_tokens {req.max_tokens}"
@@ -258,7 +260,7 @@ def _budget(eng: "SpecEngine", out: "SchedulerOutput", starved: bool) -> Iterato
         yield f"{total} tokens scheduled > budget {eng.config.max_num_batched_tokens}"
     for s in out.scheduled:
         req = eng.requests[s.request_id]
-        if s.num_tokens < 1 or s.start + s.num_tokens > req.num_tokens_with_placeholders:
+        if s.num_tokens < 1 or s.start + s.num_tokens - s.drafts > req.num_tokens_with_placeholders:  # drafts: SPEC.*
             yield f"{s.request_id}: scheduled {s.num_tokens} tokens from {s.start} of {req.num_tokens_with_placeholders}"
 
 
@@ -267,7 +269,7 @@ def _sample_after_prefill(eng: "SpecEngine", out: "SchedulerOutput", starved: bo
     """A request samples only in a step that completes its prefill (computed reaches its token count)."""
     for s in out.scheduled:
         req = eng.requests[s.request_id]
-        if s.samples != (s.start + s.num_tokens == req.num_tokens_with_placeholders):
+        if s.samples != (s.start + s.num_tokens - s.drafts == req.num_tokens_with_placeholders):
             yield f"{s.request_id}: samples={s.samples} at {s.start}+{s.num_tokens} of {req.num_tokens_with_placeholders}"
 
 

@@ -531,6 +531,10 @@ def _request(obj: Any, path: str, line: int, vocab: int) -> TraceRequest:
             raise FormatError(path, line, name, f"token id {bad[0]} outside the vocabulary (vocab_size {vocab})")
     if req.min_tokens > req.max_tokens:
         raise FormatError(path, line, "min_tokens", f"{req.min_tokens} is more than max_tokens ({req.max_tokens})")
+    if req.spec_accept and req.spec_accept_rate is not None:
+        raise FormatError(path, line, "spec_accept_rate", "give spec_accept or spec_accept_rate, not both")
+    if len(req.spec_accept) > LIMITS["token_list"]:
+        raise FormatError(path, line, "spec_accept", f"{len(req.spec_accept)} entries exceed the limit token_list={LIMITS['token_list']}")
     if req.abort_at is not None and req.arrival_step is not None and req.abort_at < req.arrival_step:
         raise FormatError(path, line, "abort_at", f"{req.abort_at} is before arrival_step {req.arrival_step}")
     return req

@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from spec import async_sched, invariants
+from spec import async_sched, invariants, specdec
 from spec.config import SchedulerConfig, resolve, step_plan
 from spec.formats import (
     DEFAULT_EOS_TOKEN_ID,
@@ -90,6 +90,9 @@ class Request:
     skip_prefix_cache: bool = False  # never reads the prefix cache (rule CACHE.SKIP_READ)
     cache_salt: str | None = None  # mixed into the first block's hash (rule CACHE.SALT)
     tie_time: float = 0.0  # vLLM's arrival_time: client_arrival_time, else arrival_seq (rule QUEUE.PRIORITY)
+    spec_drafts: int = 0  # speculative decoding: drafts proposed for its next step (SPEC.PROPOSE)
+    spec_verifications: int = 0  # batches with drafts scheduled so far (numbers them for SPEC.ACCEPT)
+    prefill_chunk: bool = False  # its last scheduled chunk left its prefill incomplete (vLLM's is_prefill_chunk)
 
     def __post_init__(self) -> None:
         self._extend_block_hashes()
@@ -102,6 +105,12 @@ class Request:
     def num_tokens_with_placeholders(self) -> int:
         """Tokens including those sampled but not yet known (async scheduling)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """Tokens a running request is scheduled up to: known, in flight and proposed drafts
+        (vLLM's ``num_tokens_with_spec + num_output_placeholders``; SPEC.DRAFT_SCHEDULE)."""
+        return self.num_tokens_with_placeholders + self.spec_drafts
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -144,6 +153,8 @@ class ScheduledRequest:
     num_tokens: int  # tokens computed in this step
     start: int  # first position computed (num_computed_tokens before the step)
     samples: bool = False  # prefill complete after this step: the model samples a token
+    drafts: int = 0  # speculative decoding: draft tokens among num_tokens (SPEC.DRAFT_SCHEDULE, SPEC.PAD_ADMISSION)
+    accepted: int = 0  # drafts the model will accept (SPEC.ACCEPT; 0 for a padded admission's dummies)
 
 
 @dataclass
@@ -160,6 +171,8 @@ class SchedulerOutput:
     reasons: list[dict] = field(default_factory=list)
     hit_blocks: dict[str, list[int]] = field(default_factory=dict)  # admitted request -> its prefix-hit block ids
     estimate_rem: float | None = None  # admission="estimate": rem_total_tokens as the admission round began
+    drafts: dict[str, int] = field(default_factory=dict)  # speculative decoding: request -> drafts scheduled
+    padded: set[str] = field(default_factory=set)  # admissions padded with dummy drafts (SPEC.PAD_ADMISSION)
 
     @property
     def samplers(self) -> list[str]:
@@ -742,9 +755,32 @@ class SpecEngine:
         #: run on each step's batch once decided (ASYNC.PLACEHOLDER) and on each preempted request
         self.after_schedule = [self._add_placeholders] if asynchronous else []
         self.on_preempt = [async_sched.zero_placeholders] if asynchronous else []
+        self._compose_speculative(plan)
         #: record fields only some configurations have
         self.record_extras = ([self._record_cpu_pool] if plan.preempt == "SWAP.OUT" else []) + \
             ([self._record_ratio] if estimate else [])
+
+    def _compose_speculative(self, plan) -> None:
+        """Bind the plan's SPEC.* rules (:func:`spec.config.speculative_rules`); without
+        speculative decoding every hook is empty and a step applies one token per sampler."""
+        rules = set(plan.speculative)
+        self.num_spec = self.config.num_speculative_tokens if rules else 0
+        #: run on a running request just scheduled ``n`` tokens (SPEC.DRAFT_SCHEDULE)
+        self.on_run_scheduled = [self._schedule_drafts] if "SPEC.DRAFT_SCHEDULE" in rules else []
+        #: size a waiting request's chunk before the budget cuts it (SPEC.PAD_ADMISSION)
+        self.admission_sizes = [self._pad_admission] if "SPEC.PAD_ADMISSION" in rules else []
+        if "SPEC.ACCEPT" in rules:
+            self.after_schedule.append(self._number_verifications)
+        if "SPEC.ASYNC_DRAFT_PLACEHOLDERS" in rules:
+            self.after_schedule.append(self._draft_placeholders)
+        #: run on a sampler's output after its first token: verified drafts (SPEC.ROLLBACK)
+        self.verify_drafts = [self._verify_drafts] if "SPEC.ROLLBACK" in rules else []
+        #: run on each request still running after its output was applied (SPEC.PROPOSE)
+        self.after_output = [self._propose] if "SPEC.PROPOSE" in rules else []
+        if "SPEC.PREEMPT_DISCARDS" in rules:
+            self.on_preempt.append(specdec.discard_drafts)
+        self._accepted: dict[str, int] = {}  # drafts accepted among the outputs this step applied
+        self.decision_extras = [self._record_drafts] if rules else []
 
     @classmethod
     def from_trace(cls, trace: Trace, **kw) -> "SpecEngine":
@@ -858,7 +894,7 @@ class SpecEngine:
         fed, self._fed = self._fed or {}, None
         flight, self.in_flight = self.in_flight, async_sched.launch(self, out)
         reasons: list[dict] = []
-        finished, took = async_sched.apply_outputs(self, flight or [], fed, reasons)
+        finished, took = async_sched.apply_outputs(self, flight or [], fed, reasons, self._accepted)
         out.reasons.extend(reasons)
         record = self._close_step(out, finished, took)
         record.outputs_step = self._last_record.step if self._last_record is not None else -1
@@ -1043,7 +1079,8 @@ class SpecEngine:
             req = self.requests[rid]
             req.num_computed_tokens += n
             samples = req.num_computed_tokens >= req.num_tokens_with_placeholders
-            out.scheduled.append(ScheduledRequest(rid, n, start[rid], samples))
+            req.prefill_chunk = not samples
+            out.scheduled.append(ScheduledRequest(rid, n, start[rid], samples, out.drafts.get(rid, 0)))
         if len(self.waiting) > 1:
             fired(WAIT_QUEUED)
         if self.trace_queue:
@@ -1068,7 +1105,7 @@ class SpecEngine:
             if self.running_checks and any(check(req) for check in self.running_checks):
                 i += 1
                 continue
-            n = chunk_size(req.num_tokens_with_placeholders - req.num_computed_tokens, cap, budget)
+            n = chunk_size(req.num_tokens_with_spec - req.num_computed_tokens, cap, budget)
             n = model_len_cap(n, req.num_computed_tokens, cfg)
             if n <= 0:
                 if req.num_output_placeholders:  # its in-flight token reaches max_model_len
@@ -1084,6 +1121,7 @@ class SpecEngine:
                     i -= 1
                 if victim.request_id in scheduled:
                     budget += scheduled.pop(victim.request_id)
+                    out.drafts.pop(victim.request_id, None)
                 self._preempt(victim, out)
                 out.reasons.append(reason(self.plan.victim, victim.request_id,
                                           f"preempted so that {req.request_id} gets blocks ({alloc.text})"))
@@ -1100,8 +1138,10 @@ class SpecEngine:
             scheduled[req.request_id] = n
             budget -= n
             if self.record_reasons:
-                kind = RUN_DECODE if req.num_computed_tokens + n >= req.num_tokens and n == 1 else RUN_PREFILL
+                kind = RUN_DECODE if req.num_computed_tokens + 1 >= req.num_tokens_with_placeholders else RUN_PREFILL
                 out.reasons.append(reason(kind, req.request_id, f"{n} tokens ({budget} left)"))
+            for hook in self.on_run_scheduled:
+                hook(out, req, n)
             i += 1
         if i < len(self.running) and self.record_reasons:
             why = (BUDGET_EXHAUSTED, "token budget spent") if budget == 0 else (BATCH_SEQS_PER_STEP, "max_num_seqs scheduled")
@@ -1153,10 +1193,16 @@ class SpecEngine:
             remaining = req.num_tokens - hit
             if not all(check(st, req, remaining, budget) for check in self.admission_checks):
                 break
+            for size in self.admission_sizes:
+                remaining = size(st, req, remaining, hit, budget)
+            if remaining is None:
+                break
             n = chunk_size(remaining, st.cap, budget)
             alloc = self.allocate_admission(req, n, hit_blocks, hit)
             if isinstance(alloc, AllocFailure):
                 out.reasons.append(reason(alloc.rule, rid, alloc.text))
+                out.drafts.pop(rid, None)
+                out.padded.discard(rid)
                 break
             self.waiting.pop()
             self.running.append(req)
@@ -1335,6 +1381,11 @@ class SpecEngine:
             req.append_output_token(token)
             note_token(req, self.clock)
             why = check_stop(req, token, self.config)
+            for verify in self.verify_drafts:
+                why = verify(req, s, why)
+            if why is None:
+                for hook in self.after_output:
+                    hook(req)
             if why is not None:
                 self._finish(req, Status.FINISHED, why)
                 finished.append((req.request_id, why))
@@ -1353,6 +1404,77 @@ class SpecEngine:
             invariants.check_state(self)
         self._begin_step()
         return record
+
+    # -- speculative decoding (the plan's SPEC.* rules; spec.specdec) -----------
+
+    def _schedule_drafts(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        """SPEC.DRAFT_SCHEDULE: the drafts among a running request's ``n`` scheduled tokens."""
+        drafts = specdec.scheduled_drafts(req, n, req.num_computed_tokens)
+        if drafts:
+            out.drafts[req.request_id] = drafts
+            if self.record_reasons:
+                out.reasons.append(reason("SPEC.DRAFT_SCHEDULE", req.request_id, f"{drafts} of its {n} tokens are drafts"))
+
+    def _pad_admission(self, st: StepState, req: Request, remaining: int, hit: int, budget: int) -> int | None:
+        """SPEC.PAD_ADMISSION: an admission left with one token becomes a 1 + K decode."""
+        admitted = set(st.out.new) | set(st.out.resumed)
+        ran = [rid for rid in st.scheduled if rid not in admitted]
+        prefill = any(self.requests[rid].prefill_chunk for rid in ran)
+        n = specdec.padded_admission(remaining, hit, self.num_spec, prefill, bool(ran), budget, self.config.max_model_len)
+        rid = req.request_id
+        if n is None:
+            st.out.reasons.append(reason("SPEC.PAD_ADMISSION", rid, f"a padded decode needs {1 + self.num_spec} "
+                                                                    f"tokens, budget {budget}: not admitted"))
+        elif n > remaining:
+            st.out.drafts[rid] = n - remaining
+            st.out.padded.add(rid)
+            st.out.reasons.append(reason("SPEC.PAD_ADMISSION", rid, f"padded to {n} tokens with {n - remaining} dummy drafts"))
+        return n
+
+    def _number_verifications(self, out: SchedulerOutput) -> None:
+        """SPEC.ACCEPT: each batch with proposed drafts takes the request's next verification
+        number, which decides how many of them the model accepts."""
+        for s in out.scheduled:
+            if s.drafts and s.request_id not in out.padded:
+                req = self.requests[s.request_id]
+                s.accepted = specdec.accepted_drafts(req.source, req.spec_verifications, s.drafts)
+                req.spec_verifications += 1
+
+    def _draft_placeholders(self, out: SchedulerOutput) -> None:
+        """Async: a scheduled request's drafts are placeholders too (ASYNC.PLACEHOLDER counts
+        1 + drafts), and it gets K draft placeholders for its next step
+        (SPEC.ASYNC_DRAFT_PLACEHOLDERS)."""
+        for s in out.scheduled:
+            if s.samples:
+                req = self.requests[s.request_id]
+                req.num_output_placeholders += s.drafts
+                specdec.draft_placeholders(req, self.num_spec)
+
+    def _propose(self, req: Request) -> None:
+        specdec.propose(req, self.num_spec)
+
+    def _verify_drafts(self, req: Request, s: ScheduledRequest, why: str | None) -> str | None:
+        """After the step's first token: roll back the rejected drafts (SPEC.ROLLBACK), then,
+        unless that token stopped the request, append the accepted drafts' successors one by
+        one under the stop rules (SPEC.STOP_IN_DRAFTS).  vLLM's order (rollback, then the
+        tokens) does not matter here: the stop rules do not read computed tokens."""
+        if not s.drafts:
+            return why
+        specdec.rollback(req, s.drafts, s.accepted, False)
+        self._accepted[s.request_id] = s.accepted
+        self._reasons.append(reason("SPEC.ACCEPT", s.request_id, specdec.verified(s.drafts, s.accepted)))
+        if why is not None or not s.accepted:
+            if why is not None and s.accepted:
+                specdec.fired(specdec.STOP_IN_DRAFTS)
+            return why
+        more = specdec.draft_tokens(req, len(req.output_token_ids), s.accepted, self.vocab_size, self.eos_token_id)
+        return specdec.append_outputs(req, more, lambda r, t: check_stop(r, t, self.config))[1]
+
+    def _record_drafts(self, record: StepRecord, out: SchedulerOutput) -> None:
+        """The decisions-level fields ``drafts`` (this step's batch) and ``accepted`` (the
+        outputs this record applies)."""
+        record.drafts = {s.request_id: s.drafts for s in out.scheduled if s.drafts}
+        record.accepted, self._accepted = self._accepted, {}
 
     def _register_computed(self, out: SchedulerOutput) -> None:
         for s in out.scheduled:
@@ -1395,6 +1517,8 @@ class SpecEngine:
         )
         if out.swapped_out or out.swapped_in:
             record.swapped_out, record.swapped_in = out.swapped_out, out.swapped_in
+        for extra in self.decision_extras:
+            extra(record, out)
         if self.record_state:
             self._record_state(record, out)
         if self.record_level == "decisions":
