@@ -167,15 +167,16 @@ class BlockPool:
             out.append(next(iter(same)))
         return out
 
-    def register(self, blocks: list[int], hashes: list[int]) -> None:
+    def register(self, blocks: Array | list[int], hashes: list[int]) -> None:
         """Cache full blocks (no de-duplication: a hash may map to several; under
         ``latest_wins`` the new block replaces them instead)."""
+        ids = blocks if isinstance(blocks, list) else xp.to_list(blocks)
         if self.latest_wins:
-            self._register_latest(blocks, hashes)
+            self._register_latest(ids, hashes)
             return
-        self.block_hash[self.be.asarray(blocks)] = self.be.asarray(hashes)
+        self.block_hash[self.be.asarray(blocks) if isinstance(blocks, list) else blocks] = self.be.asarray(hashes)
         cached = self.cached
-        for b, h in zip(blocks, hashes):
+        for b, h in zip(ids, hashes):
             same = cached.get(h)
             if same is None:
                 cached[h] = {b: None}
@@ -201,9 +202,8 @@ class BlockPool:
             return out
         self.ref_cnt[out] = 1
         if self.caching:
-            hashed = self.block_hash[out] >= 0
-            if xp.any_true(hashed):
-                ev = out[hashed]
+            if xp.largest(self.block_hash[out]) >= 0:  # (hash -1: not cached)
+                ev = out[self.block_hash[out] >= 0]
                 for b, h in zip(xp.to_list(ev), xp.to_list(self.block_hash[ev])):
                     same = self.cached[h]
                     del same[b]

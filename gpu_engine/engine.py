@@ -144,6 +144,7 @@ class GpuEngine:
         self._aborted: list[str] = []
         self._rejected: list[tuple[str, str]] = []
         self._names_key = None  # (slots array, its request ids): see _names
+        self._scheduled_key = None  # (ids list, num_scheduled array, pairs): see _scheduled
         self.prompt_cache = prompt_cache
         self.prompt_tokens = None  # f(request) -> its prompt token ids (default: the trace's rule)
         self.output_tokens = None
@@ -254,6 +255,16 @@ class GpuEngine:
         self._names_key = (slots, names)
         return names
 
+    def _scheduled(self, names: list[str], n) -> list[tuple[str, int]]:
+        """The record's (request, tokens) pairs; a steady batch (the same ids list and the
+        same array of ones as the last step) copies the last list instead of zipping again."""
+        key = self._scheduled_key
+        if key is not None and names is key[0] and n is key[1]:
+            return list(key[2])
+        pairs = list(zip(names, xp.to_list(n)))
+        self._scheduled_key = (names, n, pairs)
+        return list(pairs)
+
     def _prompt(self, request: TraceRequest) -> list[int]:
         if self.prompt_tokens is not None:
             return self.prompt_tokens(request)
@@ -346,7 +357,7 @@ class GpuEngine:
 
     def _record(self, batch: Batch, names: list[str], samplers: list[str], tokens, finished) -> StepRecord:
         s = self.sched
-        rec = StepRecord(step=self.num_steps - 1, scheduled=list(zip(names, xp.to_list(batch.num_scheduled))),
+        rec = StepRecord(step=self.num_steps - 1, scheduled=self._scheduled(names, batch.num_scheduled),
                          new=batch.new, resumed=batch.resumed, preempted=batch.preempted, finished=finished,
                          aborted=self._aborted, rejected=self._rejected, sampled=dict(zip(samplers, xp.to_list(tokens))),
                          swapped_out=batch.swapped_out, swapped_in=batch.swapped_in)

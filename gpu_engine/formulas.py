@@ -66,6 +66,18 @@ def block_demand(num_computed: Array, n: Array, held: Array, block_size: int, ma
     return xp.where(n > 0, need, 0)
 
 
+def decode_grows(num_tokens: Array, held: Array, block_size: int) -> Array:
+    """Steady decode: which requests pop a block (:func:`block_demand` with ``n = 1``).
+
+    Every running request decodes: ``computed = t - 1`` with ``t = num_tokens < L``
+    (a request stops when ``t`` reaches ``min(prompt + max_tokens, L)``), and its
+    computed tokens have slots, ``held * bs >= t - 1``.  Then
+    ``need = max(cdiv(t, bs) - held, 0)`` is 0 or 1 (``cdiv(t, bs) <= cdiv(t - 1, bs) + 1
+    <= held + 1``), and 1 iff ``cdiv(t, bs) > held`` iff ``t > held * bs``: one compare.
+    """
+    return num_tokens > held * block_size
+
+
 def first_overflow(need: Array, free: int) -> int:
     """Index of the first request whose allocation fails, or ``len(need)``.
 

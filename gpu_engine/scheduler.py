@@ -152,6 +152,7 @@ class Scheduler:
         self.steady = False
         self._ones: dict[int, tuple] = {}  # length -> read-only (ones, all-True) arrays for steady batches
         self._steady_batch = None  # (num_tokens, start, samples) of this step's :meth:`_decode_all`
+        self._slack = None  # (sampling slots, clock, min(stop_at - num_tokens)) of the last update
         self.log_state = False  # the engine logs the optional state fields (set by GpuEngine)
         self.registered: dict[str, list[int]] = {}  # logged state: request -> block ordinals registered this step
         # async scheduling: a step's sampled tokens are known one step later; until then each is a
@@ -392,9 +393,10 @@ class Scheduler:
             for s in xp.to_list(slots):
                 self.host_tables[s] = []
 
-    def _allocate(self, slots: Array, need: Array, total: int | None = None) -> None:
+    def _allocate(self, slots: Array, need: Array, total: int | None = None, held: Array | None = None) -> None:
         """Pop ``need[i]`` new blocks for each slot, in order, onto its block table
-        (``total``: ``sum(need)`` with every ``need[i] > 0``, when the caller knows it)."""
+        (``total``: ``sum(need)`` with every ``need[i] > 0``, and ``held``: the slots'
+        ``num_blocks``, when the caller knows them)."""
         if total is None:
             some = xp.nonzero(need)
             if len(some) == 0:
@@ -403,9 +405,11 @@ class Scheduler:
                 slots, need = slots[some], need[some]
             total = xp.total(need)
         blocks = self.pool.pop(total)
-        rows, cols = self._table_entries(slots, need, self.num_blocks[slots], total=total)
+        if held is None:
+            held = self.num_blocks[slots]
+        rows, cols = self._table_entries(slots, need, held, total=total)
         self.block_table[rows, cols] = blocks
-        self.num_blocks[slots] += need
+        self.num_blocks[slots] = held + need
         if self.host_tables is not None:
             self._mirror(slots, need, blocks)
 
@@ -417,29 +421,32 @@ class Scheduler:
             self.host_tables[s] += flat[i:i + k]
             i += k
 
-    def _cache_blocks(self, slots: Array, upto_tokens: Array) -> None:
-        """Register the newly full blocks covering the first ``upto_tokens`` tokens."""
+    def _cache_blocks(self, slots: Array, upto_tokens: Array, full: Array | None = None) -> None:
+        """Register the newly full blocks covering the first ``upto_tokens`` tokens (``full``:
+        their count per slot, when the caller knows the slots hold all of them)."""
         if not self.caching:
             return
-        full = xp.minimum(upto_tokens // self.bs, self.num_blocks[slots])  # (hashes past max_model_len: no block)
+        if full is None:
+            full = xp.minimum(upto_tokens // self.bs, self.num_blocks[slots])  # (hashes past max_model_len: no block)
         cached = self.num_cached_blocks[slots]
         todo = xp.nonzero(full > cached)
         if len(todo) == 0:
             return
         ts, lo, hi = slots[todo], cached[todo], full[todo]
-        count = hi - lo
-        total = xp.total(count)
-        rows, cols = self._table_entries(ts, count, lo, total=total)
-        blocks = xp.to_list(self.block_table[rows, cols])
+        ts_l, lo_l, hi_l = xp.to_list(ts), xp.to_list(lo), xp.to_list(hi)  # (the hash map is on the host)
         chains = self.hashes
-        if total == len(ts):  # one new full block each (the steady state)
-            hashes = [chains[s][a] for s, a in zip(xp.to_list(ts), xp.to_list(lo))]
+        if all(b - a == 1 for a, b in zip(lo_l, hi_l)):  # one new full block each (the steady state)
+            blocks = self.block_table[ts, lo]
+            hashes = [chains[s][a] for s, a in zip(ts_l, lo_l)]
         else:
-            hashes = [h for s, a, b in zip(xp.to_list(ts), xp.to_list(lo), xp.to_list(hi)) for h in chains[s][a:b]]
+            count = hi - lo
+            rows, cols = self._table_entries(ts, count, lo, total=sum(b - a for a, b in zip(lo_l, hi_l)))
+            blocks = self.block_table[rows, cols]
+            hashes = [h for s, a, b in zip(ts_l, lo_l, hi_l) for h in chains[s][a:b]]
         self.pool.register(blocks, hashes)
         self.num_cached_blocks[ts] = hi
         if self.log_state:
-            for s, a, b in zip(xp.to_list(ts), xp.to_list(lo), xp.to_list(hi)):
+            for s, a, b in zip(ts_l, lo_l, hi_l):
                 self.registered.setdefault(self.ids[s], []).extend(range(a, b))
 
     def _cache_allocated(self, slots: Array, upto_tokens: Array) -> None:
@@ -796,20 +803,18 @@ class Scheduler:
         the preemption point, nothing having changed)."""
         run = self.running
         ones, all_true = self._steady_arrays(len(run))
-        ntok = self.num_tokens[run]
-        comp = ntok - ones
-        need = F.block_demand(comp, ones, self.num_blocks[run], self.bs, self.config.max_model_len)
-        grow = xp.nonzero(need)
-        total = xp.total(need[grow]) if len(grow) else 0
-        if total > self.pool.num_free:
+        ntok, held = self.num_tokens[run], self.num_blocks[run]
+        grow = xp.nonzero(F.decode_grows(ntok, held, self.bs))  # (each of them needs one block)
+        if len(grow) > self.pool.num_free:
             return None
         if self.pool.latest_wins:
-            self._allocate_cached(run, need, ntok)
+            self._allocate_cached(run, xp.as_int(F.decode_grows(ntok, held, self.bs)), ntok)
         else:
-            if total:
-                self._allocate(run[grow], need[grow], total)
-            self._cache_allocated(run, ntok)
-        self._steady_batch = (ntok, comp, all_true)
+            if len(grow):
+                self._allocate(run[grow], ones[:len(grow)], len(grow), held[grow])
+            if not self.register_computed:  # CACHE.REGISTER_AT_ALLOCATION; every t < L, so t // bs blocks are held
+                self._cache_blocks(run, ntok, ntok // self.bs)
+        self._steady_batch = (ntok, self.num_computed_tokens[run], all_true)  # (computed = t - 1: a gather, not a subtraction)
         return run, ones, budget - len(run), []
 
     def _steady_arrays(self, n: int) -> tuple:
@@ -1016,14 +1021,16 @@ class Scheduler:
         c = self.config
         pos = self.num_tokens[smp]
         self.token_ids[smp, pos] = tokens
-        ntok = pos + 1
+        # (+ an array of ones: cheaper than + 1 on small numpy arrays)
+        ones = self._steady_arrays(len(smp))[0] if len(smp) <= xp.SMALL else 1
+        ntok = pos + ones
         self.num_tokens[smp] = ntok
-        self.num_output_tokens[smp] += 1
+        self.num_output_tokens[smp] = self.num_output_tokens[smp] + ones
         # cheap screen first: most steps stop nobody (stop_at: the max_tokens / max_model_len length)
-        maybe = (ntok >= self.stop_at[smp]) | (tokens == eos_token_id)
-        if self.num_with_stop_ids:
-            maybe |= (self.stop_ids[smp] == tokens[:, None]).any(1)
-        if xp.any_true(maybe):
+        maybe = self._length_slack(smp, ntok) <= 0 or xp.contains(tokens, eos_token_id)
+        if self.num_with_stop_ids and not maybe:
+            maybe = xp.any_true((self.stop_ids[smp] == tokens[:, None]).any(1))
+        if maybe:
             nout = self.num_output_tokens[smp]
             stop_hit = (self.stop_ids[smp] == tokens[:, None]).any(1)
             code = F.stop_codes(tokens, self.ignore_eos[smp] == 0, stop_hit, ntok, nout,
@@ -1049,6 +1056,19 @@ class Scheduler:
             self._release(s)
         self.running = self.running[self.status[self.running] == RUNNING]
         return out
+
+    def _length_slack(self, smp: Array, ntok: Array) -> int:
+        """``min(stop_at - num_tokens)`` over the sampling requests after this update (<= 0:
+        one reached its length limit).  When they are the same array as in the last update,
+        one step earlier, each gained exactly one token since and ``stop_at`` is fixed: the
+        last value minus one, no array op (steady decode)."""
+        last = self._slack
+        if last is not None and last[0] is smp and last[1] == self.clock - 1:
+            slack = last[2] - 1
+        else:
+            slack = xp.smallest_value(self.stop_at[smp] - ntok)
+        self._slack = (smp, self.clock, slack)
+        return slack
 
     def apply_async(self, flight: list[tuple[str, int, int]], tokens: list[int], eos_token_id: int
                     ) -> tuple[list[tuple[str, str]], dict[str, int]]:

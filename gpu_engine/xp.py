@@ -113,6 +113,27 @@ def total(x: Array) -> int:
     return int(x.sum())
 
 
+def largest(x: Array) -> int:
+    """``int(x.max())`` of a non-empty array (a short numpy array's on the host list, as in :func:`total`)."""
+    if is_np(x):
+        return max(x.tolist()) if len(x) <= SMALL else int(x.max())
+    return int(x.max())
+
+
+def smallest_value(x: Array) -> int:
+    """``int(x.min())`` of a non-empty array (short numpy arrays: on the host list)."""
+    if is_np(x):
+        return min(x.tolist()) if len(x) <= SMALL else int(x.min())
+    return int(x.min())
+
+
+def contains(x: Array, value: int) -> bool:
+    """``bool((x == value).any())`` (short numpy arrays: a host list search)."""
+    if is_np(x) and len(x) <= SMALL:
+        return value in x.tolist()
+    return any_true(x == value)
+
+
 def any_true(mask: Array) -> bool:
     """``bool(mask.any())`` (numpy: ``count_nonzero``, several times cheaper than ``any``)."""
     return np.count_nonzero(mask) > 0 if is_np(mask) else bool(mask.any())
