@@ -62,7 +62,11 @@ SUPPORTED: dict[str, frozenset | None] = {
     "cache_register": frozenset({"allocation", "computed"}),
     "cache_duplicates": frozenset({"first", "latest"}),
     "max_num_seqs_scope": frozenset({"running", "step"}),
-    "prefill_chunking": frozenset({"any", "first-continues"}),
+    "prefill_chunking": frozenset({"any", "first-continues", "last-continues"}),
+    # SGLang's (issue 16 item 2)
+    "length_limits": frozenset({"reject", "clip"}),
+    "ignore_eos_scope": frozenset({"eos", "eos-and-stop-tokens"}),
+    "abort_running": frozenset({"at-once", "after-next-sample"}),
     "preemption_mode": frozenset({"recompute", "swap"}),
     "priority_self_preempt": frozenset({"stop", "continue"}),
     "async_scheduling": frozenset({False, True}),  # True: scheduler-only mode (no model)

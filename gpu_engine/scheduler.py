@@ -120,6 +120,17 @@ class Scheduler:
         self.register_computed = c.cache_register == "computed"
         self.step_scope = c.max_num_seqs_scope == "step"
         self.first_continues = c.prefill_chunking == "first-continues"
+        # SGLang's knobs: a cut prefill (the last of its batch) continues first too
+        # (RUN.CONTINUE_PREFILL_FIRST); max_tokens clipped and the input limit at arrival
+        # (ARRIVE.CLIP_MAX_TOKENS, REJECT.INPUT_LIMIT); ignore_eos ignores stop tokens too
+        # (STOP.IGNORE_EOS_SCOPE); an aborted running request is freed after its next sample
+        # (ABORT.AFTER_NEXT_SAMPLE: the slots in ``abort_pending``)
+        self.continues = c.prefill_chunking != "any"
+        self.clip = c.length_limits == "clip"
+        self.ignore_eos_stops = c.ignore_eos_scope == "eos-and-stop-tokens"
+        self.abort_after_sample = c.abort_running == "after-next-sample"
+        self.abort_pending: set[int] = set()
+        self.continued_blocks = 0  # blocks the continued prefills of this step allocated (ESTIMATE.CONTINUED_CHUNK)
         self.cut: list[tuple[int, str]] = []  # (slot, request id) of the prefills the last step cut
         self.watermark_blocks = c.watermark_blocks
         self.capacity, self.token_width, self.block_width, self.stop_width = 0, 0, 0, 0
@@ -213,6 +224,12 @@ class Scheduler:
         c = self.config
         if not c.reject_unservable:
             return None
+        if self.clip:  # REJECT.INPUT_LIMIT: min(L, pool) - 6 tokens or more, or no room for an output
+            if req.prompt_len >= c.max_model_len - 6:
+                return "prompt_too_long"
+            if req.prompt_len >= self._capacity() - 6 or self._output_room(req.prompt_len) < 1:
+                return "never_fits"
+            return None
         if req.prompt_len + 1 > c.max_model_len:
             return "prompt_too_long"
         peak = min(req.prompt_len + req.max_tokens - 1, c.max_model_len - 1)
@@ -224,13 +241,31 @@ class Scheduler:
                 return "never_fits"
         return None
 
+    def _capacity(self) -> int:
+        """The longest sequence any request may have: min(L, usable blocks x block size)."""
+        return min(self.config.max_model_len, self.config.usable_blocks * self.bs)
+
+    def _output_room(self, p: int) -> int:
+        """min(L - p - 2, pool - ceil_B(p) - B - 1): the most outputs under length_limits=clip."""
+        bs = self.bs
+        return min(self.config.max_model_len - p - 2, self.config.usable_blocks * bs - cdiv(p, bs) * bs - bs - 1)
+
+    def _max_tokens(self, req: TraceRequest) -> int:
+        """ARRIVE.CLIP_MAX_TOKENS: max_tokens, cut to :meth:`_output_room` under length_limits=clip."""
+        return min(req.max_tokens, self._output_room(req.prompt_len)) if self.clip else req.max_tokens
+
+    def _stops(self, req: TraceRequest) -> tuple[int, ...]:
+        """The stop token ids that stop ``req`` (none with ignore_eos under STOP.IGNORE_EOS_SCOPE)."""
+        return () if self.ignore_eos_stops and req.ignore_eos else tuple(req.stop_token_ids)
+
     def add(self, req: TraceRequest, prompt: list[int], chain: list[int] | None = None, future=None) -> None:
         """Queue a request (already checked by :meth:`rejection`); ``prompt`` its token ids,
         ``chain`` (optional, copied) the block hashes of ``prompt``'s full blocks, ``future``
         (optional) the tokens it will sample, written after the prompt ahead of time."""
         c = self.config
         longest = max(min(req.prompt_len + req.max_tokens, c.max_model_len), req.prompt_len + 1)
-        self._ensure(longest, cdiv(min(longest, c.max_model_len), self.bs) + 1, len(req.stop_token_ids))
+        stops, max_tokens = self._stops(req), self._max_tokens(req)
+        self._ensure(longest, cdiv(min(longest, c.max_model_len), self.bs) + 1, len(stops))
         s = self.free_slots.pop()
         self.ids[s], self.sources[s] = req.id, req
         self.slot_of[req.id] = s
@@ -239,17 +274,17 @@ class Scheduler:
         if future is not None and len(future):
             self.token_ids[s, p:p + len(future)] = self.be.asarray(future)
         self.stop_ids[s, :] = -1
-        if req.stop_token_ids:
-            self.stop_ids[s, : len(req.stop_token_ids)] = self.be.asarray(list(req.stop_token_ids))
+        if stops:
+            self.stop_ids[s, : len(stops)] = self.be.asarray(list(stops))
             self.num_with_stop_ids += 1
         arrival = self.num_arrivals
         self.num_arrivals += 1
         for name, v in (("prompt_len", p), ("num_tokens", p), ("num_output_tokens", 0), ("num_computed_tokens", 0),
                         ("status", WAITING), ("priority", req.priority), ("arrival", arrival),
                         ("arrival_step", self.clock), ("tenant", self.tc.tenant(req.tenant) if self.tc else 0),
-                        ("max_tokens", req.max_tokens), ("ignore_eos", int(req.ignore_eos)),
+                        ("max_tokens", max_tokens), ("ignore_eos", int(req.ignore_eos)),
                         ("num_blocks", 0), ("num_cached_blocks", 0),
-                        ("stop_at", min(p + req.max_tokens, c.max_model_len)), ("placeholders", 0), ("preemptions", 0)):
+                        ("stop_at", min(p + max_tokens, c.max_model_len)), ("placeholders", 0), ("preemptions", 0)):
             getattr(self, name)[s] = v
         if not self.caching:
             self.hashes[s] = []
@@ -351,7 +386,8 @@ class Scheduler:
 
     def _release(self, s: int) -> None:
         self.tie_times.pop(s, None)
-        if self.sources[s].stop_token_ids:
+        self.abort_pending.discard(s)
+        if self._stops(self.sources[s]):
             self.num_with_stop_ids -= 1
         self.status[s] = FREE
         self.num_blocks[s] = 0
@@ -536,10 +572,10 @@ class Scheduler:
         batch = Batch(empty, empty, empty, empty)
         slots1 = n1 = slots_in = n_in = slots_c = n_c = slots2 = n2 = empty
         starved = not len(self.running) and (self.num_waiting > 0 or self.num_swapped > 0)
-        if self.first_continues:  # RUN.CONTINUE_PREFILL_FIRST: before any admission
+        if self.continues:  # RUN.CONTINUE_PREFILL_FIRST: before any admission
             slots_c, n_c, budget = self._continue_prefill(budget, cap)
         if c.batching == "prefill-first" and self.num_waiting and not self.num_swapped:
-            slots2, n2, budget = self._schedule_waiting(batch, budget, cap, len(slots_c))
+            slots2, n2, budget = self._schedule_waiting(batch, budget, cap, len(slots_c), (slots_c, n_c))
         if not len(slots2) and not len(slots_c):  # (a step that continued a prefill is a prefill batch)
             if len(self.running):
                 slots1, n1, budget = self._running_phase(batch, budget, cap)
@@ -567,7 +603,7 @@ class Scheduler:
             if self.asynchronous:  # each sampled token is in flight until the next step applies it
                 self.placeholders[slots[samples]] += 1
         batch.slots, batch.num_scheduled, batch.start, batch.samples = slots, n, start, samples
-        if self.first_continues and not batch.all_sample:  # continued first in the next step
+        if self.continues and not batch.all_sample:  # continued first in the next step
             self.cut = [(s, self.ids[s]) for s in xp.to_list(slots[~samples])]
         self.steady = (batch.all_sample and not batch.preempted and len(slots) == len(self.running)
                        and not self.asynchronous)  # (the steady closed form assumes known tokens)
@@ -588,6 +624,7 @@ class Scheduler:
         c, be = self.config, self.be
         live = [s for s, rid in self.cut if self.ids[s] == rid and int(self.status[s]) == RUNNING]
         self.cut = []
+        self.continued_blocks = 0
         if not live:
             empty = be.empty_int()
             return empty, empty, budget
@@ -597,18 +634,43 @@ class Scheduler:
         want = xp.minimum(rest, cap) if cap > 0 else rest
         n = xp.minimum(want, xp.maximum(budget - xp.exclusive_cumsum(want), 0))
         need = F.block_demand(comp, n, self.num_blocks[slots], self.bs, c.max_model_len)
+        keep = []
         for j, k in enumerate(xp.to_list(need)):  # (one or two requests: a host loop)
             if k > self.pool.num_free:
-                continue  # KV.NO_FREE_BLOCKS: this allocation changes nothing
+                continue  # KV.NO_FREE_BLOCKS: not continued in this step
+            keep.append(j)
             one = slots[j:j + 1]
             if k:
                 self._allocate(one, need[j:j + 1])
+                self.continued_blocks += k
             self._cache_allocated(one, xp.minimum(comp[j:j + 1] + n[j:j + 1], ntok[j:j + 1]))
+        if len(keep) < len(live):
+            idx = be.asarray(keep)
+            slots, n = slots[idx], n[idx]
         return slots, n, budget - xp.total(n)
+
+    def _estimate_rem(self, continued) -> float:
+        """ESTIMATE.ADMIT's ``rem`` as the admission round begins: free tokens as before this step's
+        continued prefills allocated, minus ``ratio_i x remaining_i`` summed in running order
+        (ratio 1 for ignore_eos: ESTIMATE.RUNNING_RATIO) over the running requests not continued
+        in this step, minus each continued chunk's ``ceil_B(n) + B (+ min(max_tokens, clip) if it
+        completes the prompt)`` (ESTIMATE.CONTINUED_CHUNK); host float64, sequential."""
+        c, h, bs = self.config, self.be.host, self.bs
+        slots_c, n_c = continued if continued is not None else (self.be.empty_int(), self.be.empty_int())
+        run = self.running
+        if len(slots_c):
+            run = run[~xp.isin(run, slots_c)]
+        ratio = np.where(h(self.ignore_eos[run]) == 1, 1.0, self.ratio)
+        held = (ratio * self._remaining_output(run)).astype(np.float64)
+        rem = (self.pool.num_free + self.continued_blocks) * bs - (float(np.add.accumulate(held)[-1]) if len(held) else 0)
+        for s, n in zip(xp.to_list(slots_c), xp.to_list(n_c)):
+            last = int(self.num_computed_tokens[s]) + n >= int(self.num_tokens[s])
+            rem -= cdiv(n, bs) * bs + bs + (min(int(self.max_tokens[s]), c.clip_max_new_tokens) if last else 0)
+        return rem
 
     def _next_ratio(self, retracted: bool) -> None:
         """ESTIMATE.RATIO after a running phase: linear decay to the floor, or, after a
-        retraction, ``min(1, (sum outputs + retract_decode_steps x n) / sum max_tokens)``
+        retraction, ``min(1, (sum outputs + retract_decode_steps x n) / (sum max_tokens + 1))``
         over the n requests still running (unchanged when none is)."""
         c = self.config
         if not retracted:
@@ -616,7 +678,7 @@ class Scheduler:
         elif len(self.running):
             outputs = xp.total(self.num_output_tokens[self.running])
             self.ratio = min(1.0, (outputs + c.retract_decode_steps * len(self.running))
-                             / xp.total(self.max_tokens[self.running]))
+                             / (xp.total(self.max_tokens[self.running]) + 1))
 
     def _estimate_ok(self, extend: Array, slots: Array, rem: float) -> tuple[np.ndarray, np.ndarray]:
         """ESTIMATE.ADMIT for a window: ``(ok, rem_before)``, host float64.
@@ -827,7 +889,7 @@ class Scheduler:
             got = self._ones[n] = (ones, true)
         return got
 
-    def _schedule_waiting(self, batch: Batch, budget: int, cap: int, scheduled: int = 0):
+    def _schedule_waiting(self, batch: Batch, budget: int, cap: int, scheduled: int = 0, continued=None):
         """Phase 2 in rounds: a window of queue heads, their prefix hits looked up on
         the host, then :func:`formulas.admission`.  A window is cut before the first
         candidate whose hits an earlier admission in the same window could change
@@ -838,8 +900,7 @@ class Scheduler:
         out_slots, out_n = [], []
         rem = None
         if self.estimate:  # SGLang's rem_total_tokens, fixed as the admission round begins
-            held = (self.ratio * self._remaining_output(self.running)).astype(np.float64)
-            rem = self.pool.num_free * self.bs - (float(np.add.accumulate(held)[-1]) if len(held) else 0)
+            rem = self._estimate_rem(continued)
         window = 8
         while budget > 0 and self.num_waiting > 0 and self._room(scheduled) > 0:
             if self.tc is not None:  # VTC: one admission per round, each charge moves the pick
@@ -1038,6 +1099,9 @@ class Scheduler:
             fin_mask = code > 0
         else:
             fin_mask = None
+        pending = xp.isin(smp, self.be.asarray(sorted(self.abort_pending))) if self.abort_pending else None
+        if pending is not None and fin_mask is not None:  # ABORT.AFTER_NEXT_SAMPLE: no stop rule for them
+            fin_mask = fin_mask & ~pending
         if self.caching:
             full = ntok % self.bs == 0
             if fin_mask is not None:
@@ -1046,13 +1110,32 @@ class Scheduler:
             if len(grow):
                 self._extend_chains(smp[grow], ntok[grow])
         if fin_mask is None or not xp.any_true(fin_mask):
-            return []
+            return self._free_abort_pending(smp, pending, [])
         fin = smp[fin_mask]
         reasons = xp.to_list(code[fin_mask])
         self._free_tables(fin)
         out = []
         for s, why in zip(xp.to_list(fin), reasons):
-            out.append((self.ids[s], REASONS[why]))
+            out.append((self.ids[s], self._reason(s, why)))
+            self._release(s)
+        self.running = self.running[self.status[self.running] == RUNNING]
+        return self._free_abort_pending(smp, pending, out)
+
+    def _reason(self, s: int, code: int) -> str:
+        """A stop code's finish reason; a max_tokens cut at arrival (ARRIVE.CLIP_MAX_TOKENS) that is
+        reached finishes with max_model_len."""
+        if self.clip and code == F.STOP_MAX_TOKENS and int(self.max_tokens[s]) < self.sources[s].max_tokens:
+            return FINISH_MAX_MODEL_LEN
+        return REASONS[code]
+
+    def _free_abort_pending(self, smp: Array, pending: Array | None, out: list) -> list:
+        """ABORT.AFTER_NEXT_SAMPLE: the aborted running requests that sampled in this step are
+        freed after the finished ones, in batch order (reported aborted when the client asked)."""
+        if pending is None or not xp.any_true(pending):
+            return out
+        gone = smp[pending]
+        self._free_tables(gone)
+        for s in xp.to_list(gone):
             self._release(s)
         self.running = self.running[self.status[self.running] == RUNNING]
         return out
@@ -1118,7 +1201,7 @@ class Scheduler:
                 self.num_waiting -= 1
                 if self.tc is not None:
                     self.tc.leave([int(self.tenant[s])])
-            out.append((self.ids[s], REASONS[why]))
+            out.append((self.ids[s], self._reason(s, why)))
             self._release(s)
         self.running = self.running[self.status[self.running] == RUNNING]
         return out, applied
@@ -1182,7 +1265,7 @@ class Scheduler:
         for s, o, e in zip(slots, nout, eos_ok):
             out = outputs(s, o, k)
             out = out.tolist() if isinstance(out, np.ndarray) else list(out)
-            stops = set(self.sources[s].stop_token_ids)
+            stops = set(self._stops(self.sources[s]))
             if e:
                 stops.add(self.eos_token_id)
             if stops and not stops.isdisjoint(out[:k]):  # cut before the first step that samples one

@@ -144,6 +144,7 @@ class _Req:
     registered: set = field(default_factory=set)  # block ordinals it registered in the cache since admission
     placeholders: int = 0  # async scheduling: tokens in flight, inside ``computed`` (ASYNC.PLACEHOLDER)
     preemptions: int = 0  # async scheduling: a token scheduled before a later preemption is stale
+    abort_pending: bool = False  # aborted while running, freed after its next sample (ABORT.AFTER_NEXT_SAMPLE)
 
 
 @dataclass
@@ -187,6 +188,7 @@ class LogChecker:
         self._prev_step: int | None = None
         self._tables: dict[str, list[int]] = {}  # block_ids at the end of the previous record
         self._held: dict[str, int] = {}  # blocks at the end of the previous record
+        self._freed_aborts: list[str] = []  # freed after their sample in this step (ABORT.AFTER_NEXT_SAMPLE)
         self._ratio = config.new_token_ratio_init  # new_token_ratio at the end of the previous record
         self._vtc: dict[str, float] = {}  # vtc_counters at the end of the previous record that logged them
         self._rules = _rule_ids()
@@ -255,6 +257,11 @@ class LogChecker:
         self._check_finishes(rec)
         for rid, why in rec.finished:
             self._end(rid, s, why, "finished")
+        # ABORT.AFTER_NEXT_SAMPLE: freed with this step's result, like a finished request
+        self._freed_aborts = [rid for rid in rec.sampled if self.reqs.get(rid) is not None
+                              and self.reqs[rid].abort_pending and self.reqs[rid].state == "running"]
+        for rid in self._freed_aborts:
+            self._end(rid, s, "aborted", "aborted")
         self._check_level_fields(rec)
         self._check_memory(rec)
         throughout = [r.request_id for r in running_at_start if r.request_id not in rec.preempted]
@@ -342,10 +349,12 @@ class LogChecker:
 
     def _rejection(self, src: TraceRequest) -> str | None:
         """The reason the profile's REJECT rules give for ``src`` (None: admissible)."""
-        from spec.scheduler import never_fits, prompt_too_long  # the rules themselves, not a copy
+        from spec.scheduler import input_limit, never_fits, prompt_too_long  # the rules themselves, not a copy
 
         if not self.cfg.reject_unservable:
             return None
+        if self.cfg.length_limits == "clip":  # REJECT.INPUT_LIMIT replaces the two rules below
+            return input_limit(src.prompt_len, self.cfg)
         if prompt_too_long(src.prompt_len, self.cfg):
             return "prompt_too_long"
         if never_fits(src.prompt_len, src.max_tokens, self.cfg):
@@ -359,6 +368,9 @@ class LogChecker:
             r = self.req(rid)
             if r.source is not None and r.source.abort_at != s:
                 self.flag("REQ.AFTER_ARRIVAL", s, rid, f"aborted at step {s}; the trace aborts it at {r.source.abort_at}", "aborted")
+            if r.state == "running" and self.cfg.abort_running == "after-next-sample":
+                r.abort_pending = True  # ABORT.AFTER_NEXT_SAMPLE: it ends after its next sample
+                continue
             if r.state in ("running", "swapped"):
                 r.computed = 0
             self._end(rid, s, "aborted", "aborted")
@@ -414,7 +426,8 @@ class LogChecker:
         if self.cfg.batching == "prefill-first" and admitted:
             # Under prefill_chunking=first-continues a prefill cut by the budget continues first in
             # the next prefill batch (RUN.CONTINUE_PREFILL_FIRST), before any admission.
-            continued = {rid for rid, _ in rec.scheduled[:1]} if self.cfg.prefill_chunking == "first-continues" else set()
+            # (last-continues, SGLang's chunked_req, the same)
+            continued = {rid for rid, _ in rec.scheduled[:1]} if self.cfg.prefill_chunking != "any" else set()
             others = [rid for rid, _ in rec.scheduled if rid not in admitted and rid not in continued]
             if others:
                 self.flag("BATCH.PREFILL_ONLY", rec.step, others[0], "ran in a step that admitted", "scheduled")
@@ -613,13 +626,20 @@ class LogChecker:
 
     def _stop_reason(self, r: _Req, token: int) -> str | None:
         """The stop rules' verdict after ``r`` sampled ``token`` (vLLM's check_stop order)."""
+        from spec.scheduler import clipped_max_tokens  # ARRIVE.CLIP_MAX_TOKENS, the rule itself
+
         src = r.source
+        if r.abort_pending:  # ABORT.AFTER_NEXT_SAMPLE: freed as aborted, no stop rule
+            return None
         if not src.ignore_eos and token == self.trace.eos_token_id:
             return "eos"
-        if token in src.stop_token_ids:
+        stops_ignored = src.ignore_eos and self.cfg.ignore_eos_scope == "eos-and-stop-tokens"  # STOP.IGNORE_EOS_SCOPE
+        if token in src.stop_token_ids and not stops_ignored:
             return "stop_token"
         if src.prompt_len + r.outputs >= self.cfg.max_model_len:
             return "max_model_len"
+        if self.cfg.length_limits == "clip" and r.outputs >= clipped_max_tokens(src.prompt_len, src.max_tokens, self.cfg)[0]:
+            return "max_tokens" if r.outputs >= src.max_tokens else "max_model_len"
         if r.outputs >= src.max_tokens:
             return "max_tokens"
         return None
@@ -743,7 +763,7 @@ class LogChecker:
         pops = 0
         for rid, n in rec.blocks.items():
             pops += n - (held.get(rid, 0) if rid in throughout else self.req(rid).hit_blocks)
-        for rid, _ in rec.finished:  # freed at the end of the step, after this step's allocations
+        for rid in [rid for rid, _ in rec.finished] + self._freed_aborts:  # freed at the end of the step, after this step's allocations
             if self.cfg.kv_reservation == "full":
                 if rid not in throughout:
                     return  # its reservation is not in the log

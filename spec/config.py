@@ -81,8 +81,27 @@ class SchedulerConfig:
     #: Which prefills may be cut by the budget: "any" — every admission may take a partial
     #: chunk, continued by the running phase; "first-continues" — only the first request of
     #: a prefill batch, and a cut prefill continues first in the next step, before any
-    #: admission (nano-vllm; rules ADMIT.CHUNK_ONLY_FIRST, RUN.CONTINUE_PREFILL_FIRST).
+    #: admission (nano-vllm; rules ADMIT.CHUNK_ONLY_FIRST, RUN.CONTINUE_PREFILL_FIRST);
+    #: "last-continues" — any admission may be cut, which spends the budget, so only the last
+    #: request of a prefill batch is, and it continues first in the next step, new requests
+    #: sharing the rest of the budget (SGLang's chunked_req; rule RUN.CONTINUE_PREFILL_FIRST).
     prefill_chunking: str = "any"
+    #: Length limits of a request (rules REJECT.*, ARRIVE.CLIP_MAX_TOKENS): "reject" — a prompt
+    #: with no room for one output token, or a request whose peak exceeds the pool, is rejected
+    #: and a sequence stops at max_model_len (vLLM); "clip" — a prompt of min(max_model_len,
+    #: pool) - 6 tokens or more is refused and max_tokens is cut at arrival to min(max_model_len,
+    #: pool) - prompt - 2, so every admitted request fits the pool (SGLang's validate_input_length
+    #: and init_req_max_new_tokens; rules REJECT.INPUT_LIMIT, ARRIVE.CLIP_MAX_TOKENS).
+    length_limits: str = "reject"
+    #: What a request's ignore_eos ignores (rule STOP.IGNORE_EOS_SCOPE): "eos" — only EOS, its
+    #: stop token ids still stop it (vLLM); "eos-and-stop-tokens" — every token-based stop
+    #: (SGLang's _check_token_based_finish returns before any token test).
+    ignore_eos_scope: str = "eos"
+    #: When a client abort of a running request takes effect (rules ABORT.FREE,
+    #: ABORT.AFTER_NEXT_SAMPLE): "at-once" — it leaves the running list and frees its blocks
+    #: at once (vLLM); "after-next-sample" — it stays in the batch until it samples once more and
+    #: is freed with that step's result (SGLang's to_finish = FINISH_ABORT).
+    abort_running: str = "at-once"
 
     # --- batching --------------------------------------------------------
     #: How a step is formed (rules BATCH.*): "continuous" — running requests first,
@@ -244,7 +263,10 @@ KNOB_CHOICES: dict[str, tuple[str, ...]] = {
     "cache_register": ("allocation", "computed"),
     "cache_duplicates": ("first", "latest"),
     "max_num_seqs_scope": ("running", "step"),
-    "prefill_chunking": ("any", "first-continues"),
+    "prefill_chunking": ("any", "first-continues", "last-continues"),
+    "length_limits": ("reject", "clip"),
+    "ignore_eos_scope": ("eos", "eos-and-stop-tokens"),
+    "abort_running": ("at-once", "after-next-sample"),
     "policy": ("fcfs", "priority", "spf", "vtc", "edf", "sprpt"),
     "preemption_victim": ("policy", "slo-slack"),
     "slo_admission": ("off", "refuse", "defer"),
@@ -292,6 +314,13 @@ class StepPlan:
     #: scheduling), scheduled (SPEC.DRAFT_SCHEDULE), padded (SPEC.PAD_ADMISSION), verified
     #: (SPEC.ACCEPT, SPEC.ROLLBACK) and discarded (SPEC.PREEMPT_DISCARDS).
     speculative: tuple[str, ...] = ()
+    #: Rules that refuse an arriving request, tried in order (REJECT.*).
+    refusals: tuple[str, ...] = ("REJECT.PROMPT_TOO_LONG", "REJECT.NEVER_FITS")
+    #: Rules that shape an arriving request before it is queued (ARRIVE.CLIP_MAX_TOKENS,
+    #: STOP.IGNORE_EOS_SCOPE).
+    on_arrival: tuple[str, ...] = ()
+    #: What a client abort of a running request does: ABORT.FREE or ABORT.AFTER_NEXT_SAMPLE.
+    abort_running: str = "ABORT.FREE"
 
 
 def step_plan(cfg: "SchedulerConfig") -> StepPlan:
@@ -307,7 +336,7 @@ def step_plan(cfg: "SchedulerConfig") -> StepPlan:
     after_running = (("charge_vtc",) if cfg.policy == "vtc" else ()) + \
         (("update_ratio",) if cfg.admission == "estimate" else ()) + (("swap_in",) if swap else ())
     if cfg.batching == "prefill-first":
-        first = ("continue_prefill",) if cfg.prefill_chunking == "first-continues" else ()
+        first = ("continue_prefill",) if cfg.prefill_chunking != "any" else ()
         phases = (*(("hold_for_swapped",) if swap else ()), *first, *slo_gate, "schedule_waiting", "end_prefill_batch",
                   *at_risk, "schedule_running", *after_running)
     else:
@@ -340,6 +369,11 @@ def step_plan(cfg: "SchedulerConfig") -> StepPlan:
         running_checks=("ASYNC.LAST_TOKEN_IN_FLIGHT",) if cfg.async_scheduling else (),
         outputs="ASYNC.OUTPUTS_NEXT_STEP" if cfg.async_scheduling else "STEP.OUTPUTS_SAME_STEP",
         speculative=speculative_rules(cfg),
+        refusals=() if not cfg.reject_unservable else ("REJECT.INPUT_LIMIT",) if cfg.length_limits == "clip"
+        else ("REJECT.PROMPT_TOO_LONG", "REJECT.NEVER_FITS"),
+        on_arrival=(("ARRIVE.CLIP_MAX_TOKENS",) if cfg.length_limits == "clip" else ()) +
+                   (("STOP.IGNORE_EOS_SCOPE",) if cfg.ignore_eos_scope == "eos-and-stop-tokens" else ()),
+        abort_running="ABORT.AFTER_NEXT_SAMPLE" if cfg.abort_running == "after-next-sample" else "ABORT.FREE",
     )
 
 
@@ -474,8 +508,10 @@ SGLANG = _derived(
      "prefix lock recheck": "not modelled: an evictable prefix hit still counts as free in rem_total_tokens",
      "enable_mixed_chunk": "off", "policy": "fcfs (SGLang's default; lpm/dfs-weight not modelled)",
      "block 0": "reserved as the padding slot (null block)"},
-    batching="prefill-first", admission="estimate", enable_chunked_prefill=False, max_num_batched_tokens=16384,
+    batching="prefill-first", admission="estimate", enable_chunked_prefill=True, max_num_batched_tokens=16384,
     block_size=1, num_blocks=16384, scheduler_reserve_full_isl=False, max_num_seqs=1024,
+    length_limits="clip", ignore_eos_scope="eos-and-stop-tokens", cache_register="computed",
+    prefill_chunking="last-continues", abort_running="after-next-sample",
 )
 VTC = _derived(
     "vtc", "1", "Virtual Token Counter fair scheduling (Sheng et al., OSDI'24): the backlogged tenant with the smallest "
@@ -685,8 +721,11 @@ def validate(cfg: SchedulerConfig) -> SchedulerConfig:
         raise ConfigError("retract_decode_steps", f"must be >= 0, got {cfg.retract_decode_steps}")
     if cfg.admission == "estimate" and cfg.kv_reservation != "step":
         raise ConfigError("admission", "estimate is its own reservation rule; it needs kv_reservation=step")
-    if cfg.prefill_chunking == "first-continues" and cfg.batching != "prefill-first":
-        raise ConfigError("prefill_chunking", "first-continues needs batching=prefill-first")
+    if cfg.prefill_chunking != "any" and cfg.batching != "prefill-first":
+        raise ConfigError("prefill_chunking", f"{cfg.prefill_chunking} needs batching=prefill-first")
+    if cfg.length_limits == "clip" and not cfg.reject_unservable:
+        # the clip assumes the prompt passed the input limit (a longer one would get no output at all)
+        raise ConfigError("length_limits", "clip needs reject_unservable=true (its input limit)")
     if cfg.async_scheduling:
         _check_async(cfg)
     if cfg.num_speculative_tokens:
@@ -698,7 +737,7 @@ def validate(cfg: SchedulerConfig) -> SchedulerConfig:
 #: has been stated and checked for; the others are refused rather than guessed.
 ASYNC_NEEDS = {"batching": "continuous", "kv_reservation": "step", "admission": "budget",
                "preemption_mode": "recompute", "cache_register": "allocation", "max_num_seqs_scope": "running",
-               "prefill_chunking": "any"}
+               "prefill_chunking": "any", "abort_running": "at-once", "length_limits": "reject"}
 
 
 def _check_async(cfg: SchedulerConfig) -> None:

@@ -325,10 +325,10 @@ def _static_no_join(eng: "SpecEngine", out: "SchedulerOutput", starved: bool) ->
 @invariant("BATCH.PREFILL_ONLY", profiles="batching=prefill-first (vllm-v0, tgi, sglang, vtc)")
 def _prefill_only(eng: "SpecEngine", out: "SchedulerOutput", starved: bool) -> Iterator[str]:
     """Under prefill-first batching, a step that admits from the waiting queue runs only the admitted requests
-    (and, under prefill_chunking=first-continues, the cut prefill it continued first)."""
+    (and, under prefill_chunking=first-continues or last-continues, the cut prefill it continued first)."""
     admitted = _admitted(out)
     if eng.config.batching == "prefill-first" and admitted:
-        continued = {s.request_id for s in out.scheduled[:1] if eng.config.prefill_chunking == "first-continues"}
+        continued = {s.request_id for s in out.scheduled[:1] if eng.config.prefill_chunking != "any"}
         others = [s.request_id for s in out.scheduled if s.request_id not in admitted and s.request_id not in continued]
         if others:
             yield f"{others} ran in a prefill batch"

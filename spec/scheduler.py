@@ -93,6 +93,7 @@ class Request:
     spec_drafts: int = 0  # speculative decoding: drafts proposed for its next step (SPEC.PROPOSE)
     spec_verifications: int = 0  # batches with drafts scheduled so far (numbers them for SPEC.ACCEPT)
     prefill_chunk: bool = False  # its last scheduled chunk left its prefill incomplete (vLLM's is_prefill_chunk)
+    abort_pending: bool = False  # aborted while running, freed after its next sample (ABORT.AFTER_NEXT_SAMPLE)
 
     def __post_init__(self) -> None:
         self._extend_block_hashes()
@@ -193,6 +194,7 @@ class StepState:
     admission_held: bool = False  # a gate phase (hold_*) has closed admission for this step
     step_ends: bool = False  # a phase ended the step (prefill-first)
     rem: float | None = None  # admission="estimate": SGLang's rem_total_tokens for this round
+    continued: dict[str, int] = field(default_factory=dict)  # continued prefill -> blocks it took (RUN.CONTINUE_*)
 
 
 # --------------------------------------------------------------------------
@@ -233,6 +235,72 @@ def never_fits(prompt_len: int, max_tokens: int, cfg: SchedulerConfig) -> bool:
         need = prompt_len + o + min(max_tokens - o, cfg.clip_max_new_tokens) + cfg.block_size
         return need >= cfg.usable_blocks * cfg.block_size
     return False
+
+
+#: SGLang's margins below min(max_model_len, pool): max_req_len = min(context_len - 1, pool - 1)
+#: and max_req_input_len = max_req_len - 5 (refused at or above it), max_new_tokens <=
+#: max_req_len - prompt - 1 (rules REJECT.INPUT_LIMIT, ARRIVE.CLIP_MAX_TOKENS).
+INPUT_LIMIT_MARGIN = 6
+OUTPUT_LIMIT_MARGIN = 2
+
+
+def length_capacity(cfg: SchedulerConfig) -> int:
+    """The longest sequence a request may ever have: ``min(max_model_len, usable_blocks x block_size)``."""
+    return min(cfg.max_model_len, cfg.usable_blocks * cfg.block_size)
+
+
+def output_room(prompt_len: int, cfg: SchedulerConfig) -> int:
+    """The most output tokens a request may be given under length_limits="clip":
+    ``min(max_model_len - prompt - 2, pool - ceil_B(prompt) - B - 1)`` with pool =
+    usable_blocks x B (SGLang's max_req_len bound, then its allocator's
+    max_new_tokens_for_memory; at block size 1 both are ``min(max_model_len, pool) - prompt - 2``)."""
+    bs = cfg.block_size
+    pool = cfg.usable_blocks * bs
+    return min(cfg.max_model_len - prompt_len - OUTPUT_LIMIT_MARGIN, pool - cdiv(prompt_len, bs) * bs - bs - 1)
+
+
+@rule("REJECT.INPUT_LIMIT", knobs=("length_limits", "max_model_len", "num_blocks", "block_size", "reject_unservable"),
+      applies=bool)
+def input_limit(prompt_len: int, cfg: SchedulerConfig) -> str | None:
+    """Under length_limits="clip" a prompt of ``min(max_model_len, pool) - 6`` tokens or more
+    is refused at arrival (pool = usable_blocks x block_size): SGLang's
+    ``max_req_input_len = min(context_len - 1, pool - 1) - 5`` and ``validate_input_length``,
+    which refuses ``prompt >= max_req_input_len``.  What passes leaves room for at least five
+    output tokens, and ARRIVE.CLIP_MAX_TOKENS makes every admitted request fit the pool, so
+    REJECT.NEVER_FITS is not needed.  With blocks of more than one token a prompt that would
+    leave no room for one output token (:func:`output_room` < 1) is refused too (SGLang would
+    give it max_new_tokens = 0).  Returns the reason: ``prompt_too_long`` when max_model_len
+    alone refuses it, else ``never_fits`` (the pool's bound); None to admit."""
+    if prompt_len >= cfg.max_model_len - INPUT_LIMIT_MARGIN:
+        return "prompt_too_long"
+    if prompt_len >= length_capacity(cfg) - INPUT_LIMIT_MARGIN or output_room(prompt_len, cfg) < 1:
+        return "never_fits"
+    return None
+
+
+@rule("ARRIVE.CLIP_MAX_TOKENS", knobs=("length_limits", "max_model_len", "num_blocks", "block_size"),
+      applies=lambda got: got[1])
+def clipped_max_tokens(prompt_len: int, max_tokens: int, cfg: SchedulerConfig) -> tuple[int, bool]:
+    """Under length_limits="clip" an arriving request's max_tokens is cut to
+    :func:`output_room`, ``min(max_model_len, pool) - prompt - 2`` at block size 1 (SGLang's
+    init_req_max_new_tokens: ``min(max_new_tokens, max_req_len - prompt - 1)``, then the
+    allocator's ``pool - ceil_page(prompt) - page_size - 1``), so that ESTIMATE.ADMIT admits it
+    in an empty engine, retracted or not.  Such a request is admitted rather than rejected
+    and finishes early, two tokens short of the limit, with reason ``max_model_len``
+    (SGLang's FINISH_LENGTH before the asked max_tokens).  Every later use of max_tokens
+    (the estimate's remaining output, the ratio's reset) sees the cut value.  Returns the
+    value and whether it was cut."""
+    limit = output_room(prompt_len, cfg)
+    return min(max_tokens, limit), limit < max_tokens
+
+
+@rule("STOP.IGNORE_EOS_SCOPE", knobs=("ignore_eos_scope",), applies=bool)
+def ignored_stop_tokens(ignore_eos: bool, stop_token_ids) -> frozenset[int]:
+    """Under ignore_eos_scope="eos-and-stop-tokens" a request with ``ignore_eos`` ignores its
+    stop token ids too: only its length stops it (SGLang's Req._check_token_based_finish
+    returns before any token test when ignore_eos is set; vLLM ignores EOS only).  Returns
+    the stop token ids the request ignores."""
+    return frozenset(stop_token_ids) if ignore_eos else frozenset()
 
 
 @rule("BUDGET.LONG_PREFILL", knobs=("long_prefill_token_threshold",), applies=bool)
@@ -336,6 +404,25 @@ def remaining_output(req: Request, cfg: SchedulerConfig) -> int:
     return min(max(req.max_tokens - len(req.output_token_ids), 0), cfg.clip_max_new_tokens)
 
 
+@rule("ESTIMATE.RUNNING_RATIO", knobs=("admission",))
+def running_ratio(req: Request, ratio: float) -> float:
+    """The share of a running request's remaining output ESTIMATE.ADMIT reserves: the
+    new_token_ratio, or all of it (1.0) for a request that ignores EOS, whose output cannot
+    stop early (SGLang's _get_running_request_total_token_offset)."""
+    return 1.0 if req.source.ignore_eos else ratio
+
+
+@rule("ESTIMATE.CONTINUED_CHUNK", knobs=("admission", "prefill_chunking"))
+def continued_chunk_charge(n: int, last: bool, req: Request, cfg: SchedulerConfig) -> int:
+    """Under admission="estimate", a prefill continued first in a step (RUN.CONTINUE_PREFILL_FIRST)
+    is charged to ``rem`` as ``ceil_B(n) + block_size`` for its chunk of ``n`` tokens, plus, when
+    the chunk completes the prompt, ``min(max_tokens, clip_max_new_tokens)`` for its output
+    (SGLang's add_chunked_req; the in-flight chunked request is not in the running batch, so
+    the running estimate leaves it out)."""
+    bs = cfg.block_size
+    return cdiv(n, bs) * bs + bs + (min(req.max_tokens, cfg.clip_max_new_tokens) if last else 0)
+
+
 @rule("ESTIMATE.ADMIT", knobs=("admission", "new_token_ratio_init"), applies=lambda ok: not ok)
 def estimate_admits(need: int, rem: float) -> bool:
     """Under admission="estimate" a waiting request is admitted only if
@@ -364,9 +451,10 @@ def next_ratio(ratio: float, retracted: bool, remaining: list[Request], cfg: Sch
 
     * no retraction: ``max(ratio - decay, min)`` with ``min = init x min_factor``
       and ``decay = (init - min) / decay_steps`` (SGLang: 0.7, 0.098, 600 steps);
-    * a retraction: ``min(1, (sum outputs + retract_decode_steps x n) / sum max_tokens)``
-      over the n requests still running — the ratio jumps back up so that admission
-      turns cautious again.
+    * a retraction: ``min(1, (sum outputs + retract_decode_steps x n) / (sum max_tokens + 1))``
+      over the n requests still running (max_tokens as cut at arrival, ARRIVE.CLIP_MAX_TOKENS;
+      SGLang's estimate_new_token_ratio_after_retract adds 1 against a zero division) — the
+      ratio jumps back up so that admission turns cautious again.
 
     The update happens right after the running phase, so that step's admissions
     (continuous batching) already use the new value.  A step that runs no running
@@ -382,7 +470,7 @@ def next_ratio(ratio: float, retracted: bool, remaining: list[Request], cfg: Sch
     if not remaining:
         return ratio
     outputs = sum(len(r.output_token_ids) for r in remaining)
-    return min(1.0, (outputs + cfg.retract_decode_steps * len(remaining)) / sum(r.max_tokens for r in remaining))
+    return min(1.0, (outputs + cfg.retract_decode_steps * len(remaining)) / (sum(r.max_tokens for r in remaining) + 1))
 
 
 @rule("VTC.CHARGE", knobs=("vtc_input_price", "vtc_output_price", "tenant_weights"))
@@ -619,10 +707,12 @@ ADMIT_CHUNK_ONLY_FIRST = declare(
 )
 RUN_CONTINUE_PREFILL = declare(
     "RUN.CONTINUE_PREFILL_FIRST",
-    """Under prefill_chunking="first-continues", a prefill cut by the budget in the previous
-    step is continued first, before any admission: it takes the tokens it still lacks, cut
-    to the budget, and the step is a prefill batch (nano-vllm keeps the cut request at the
-    head of its waiting queue, holding its blocks).""",
+    """Under prefill_chunking="first-continues" or "last-continues", a prefill cut by the budget
+    in the previous step is continued first, before any admission: it takes the tokens it
+    still lacks, cut to the budget, and the step is a prefill batch (nano-vllm keeps the cut
+    request at the head of its waiting queue, holding its blocks; SGLang adds its chunked_req
+    to the prefill batch before the waiting queue).  Under kv_reservation="step" it allocates
+    its chunk's blocks now; when they are not free it is not continued in this step.""",
     __name__,
     knobs=("prefill_chunking",),
 )
@@ -644,6 +734,18 @@ ABORT = declare(
     "ABORT.FREE",
     "An aborted waiting or running request leaves its queue and frees its blocks at once; aborts of finished requests are ignored.",
     __name__,
+    knobs=("abort_running",),
+)
+ABORT_AFTER_SAMPLE = declare(
+    "ABORT.AFTER_NEXT_SAMPLE",
+    """Under abort_running="after-next-sample" an aborted running request is reported aborted
+    at once but stays in the running list, holding its blocks, until it samples once more
+    (scheduled as usual); it is freed with that step's result, not listed as finished, and
+    no stop rule is applied to that token.  SGLang's abort_request sets ``to_finish =
+    FINISH_ABORT`` on a running request ("it will still run one decode forward pass") and
+    check_finished frees it with the result.  Waiting requests still leave at once (ABORT.FREE).""",
+    __name__,
+    knobs=("abort_running",),
 )
 WAIT_QUEUED = declare(
     "WAIT.QUEUED",
@@ -742,6 +844,18 @@ class SpecEngine:
         self.free_victim = self._preempt_by_swap if plan.preempt == "SWAP.OUT" else self._preempt_by_recompute
         self.requeue = self._requeue_tail if plan.requeue == "RETRACT.TO_TAIL" else self.waiting.prepend
         self.on_schedule = [self._charge] if "VTC.CHARGE" in plan.on_schedule else []
+        refusals = {"REJECT.PROMPT_TOO_LONG": self._refuse_prompt_too_long, "REJECT.NEVER_FITS": self._refuse_never_fits,
+                    "REJECT.INPUT_LIMIT": self._refuse_input_limit}
+        self.refusals = [refusals[r] for r in plan.refusals]
+        shapes = {"ARRIVE.CLIP_MAX_TOKENS": self._clip_max_tokens, "STOP.IGNORE_EOS_SCOPE": self._ignore_stop_tokens}
+        self.on_arrival = [shapes[r] for r in plan.on_arrival]
+        clipped = "ARRIVE.CLIP_MAX_TOKENS" in plan.on_arrival
+        stop = self._check_stop_clipped if clipped else (lambda req, token: check_stop(req, token, self.config))
+        #: the stop rules for a sampled token; run on each step's batch after its outputs are applied
+        self.check_stop, self.after_outputs = stop, []
+        if plan.abort_running == "ABORT.AFTER_NEXT_SAMPLE":  # no stop rule for the token it samples when aborted
+            self.check_stop = lambda req, token: None if req.abort_pending else stop(req, token)
+            self.after_outputs = [self._free_abort_pending]
         estimate = self.config.admission == "estimate"
         #: run when a step ends or an abort leaves the engine (the ratio's reset when idle)
         self.on_idle = [self._reset_ratio] if estimate else []
@@ -797,25 +911,23 @@ class SpecEngine:
         if tr.id in self.requests or tr.id in self.rejected:
             raise ValueError(f"duplicate request id {tr.id!r}")
         cfg = self.config
-        why = None
-        if cfg.reject_unservable and prompt_too_long(tr.prompt_len, cfg):
-            why = ("REJECT.PROMPT_TOO_LONG", "prompt_too_long", f"prompt {tr.prompt_len} + 1 > max_model_len {cfg.max_model_len}")
-        elif cfg.reject_unservable and never_fits(tr.prompt_len, tr.max_tokens, cfg):
-            why = ("REJECT.NEVER_FITS", "never_fits", f"needs more than the {cfg.usable_blocks} usable blocks")
+        why = next(filter(None, (refuse(tr) for refuse in self.refusals)), None)
         if why:
             self.rejected[tr.id] = why[1]
             self._rejected.append((tr.id, why[1]))
             self._reasons.append(reason(why[0], tr.id, why[2]))
             return
         prompt, hashes = self._prompt(tr)
+        shape = {"max_tokens": tr.max_tokens, "stop_token_ids": frozenset(tr.stop_token_ids)}
+        for hook in self.on_arrival:
+            hook(tr, shape)
         req = Request(
             request_id=tr.id,
             prompt_token_ids=prompt,
-            max_tokens=tr.max_tokens,
             arrival_seq=len(self.requests) + len(self.rejected),
             priority=tr.priority,
             eos_token_id=None if tr.ignore_eos else self.eos_token_id,
-            stop_token_ids=frozenset(tr.stop_token_ids),
+            **shape,
             source=tr,
             block_size=cfg.block_size,
             block_hashes=list(hashes),
@@ -831,6 +943,53 @@ class SpecEngine:
         if self.vtc:
             what += f"; tenant {tr.tenant!r} counter {self.waiting.counters[tr.tenant]:g}"
         self._reasons.append(reason(ARRIVE, tr.id, what))
+
+    # -- arrival rules (chosen by the plan: StepPlan.refusals, StepPlan.on_arrival) --------
+
+    def _refuse_prompt_too_long(self, tr: TraceRequest) -> tuple[str, str, str] | None:
+        if prompt_too_long(tr.prompt_len, self.config):
+            return ("REJECT.PROMPT_TOO_LONG", "prompt_too_long",
+                    f"prompt {tr.prompt_len} + 1 > max_model_len {self.config.max_model_len}")
+        return None
+
+    def _refuse_never_fits(self, tr: TraceRequest) -> tuple[str, str, str] | None:
+        if never_fits(tr.prompt_len, tr.max_tokens, self.config):
+            return ("REJECT.NEVER_FITS", "never_fits", f"needs more than the {self.config.usable_blocks} usable blocks")
+        return None
+
+    def _refuse_input_limit(self, tr: TraceRequest) -> tuple[str, str, str] | None:
+        why = input_limit(tr.prompt_len, self.config)
+        if why:
+            return ("REJECT.INPUT_LIMIT", why, f"prompt {tr.prompt_len} >= min(max_model_len, pool) - "
+                                               f"{INPUT_LIMIT_MARGIN} = {length_capacity(self.config) - INPUT_LIMIT_MARGIN}")
+        return None
+
+    def _clip_max_tokens(self, tr: TraceRequest, shape: dict) -> None:
+        shape["max_tokens"], cut = clipped_max_tokens(tr.prompt_len, shape["max_tokens"], self.config)
+        if cut:
+            self._reasons.append(reason("ARRIVE.CLIP_MAX_TOKENS", tr.id, f"max_tokens {tr.max_tokens} cut to "
+                                                                         f"{shape['max_tokens']}"))
+
+    def _ignore_stop_tokens(self, tr: TraceRequest, shape: dict) -> None:
+        shape["stop_token_ids"] -= ignored_stop_tokens(tr.ignore_eos, shape["stop_token_ids"])
+
+    def _check_stop_clipped(self, req: Request, token: int) -> str | None:
+        """ARRIVE.CLIP_MAX_TOKENS: a request that reaches a max_tokens cut at arrival finishes
+        with reason max_model_len (it did not get the max_tokens it asked for)."""
+        why = check_stop(req, token, self.config)
+        if why == FINISH_MAX_TOKENS and req.max_tokens < req.source.max_tokens:
+            return FINISH_MAX_MODEL_LEN
+        return why
+
+    def _free_abort_pending(self, out: SchedulerOutput) -> None:
+        """ABORT.AFTER_NEXT_SAMPLE: a running request the client aborted is freed with the result
+        of the first step it samples in since (in batch order; not listed as finished)."""
+        freed = [self.requests[rid] for rid in out.samplers if self.requests[rid].abort_pending]
+        for req in freed:
+            if req.status == Status.RUNNING:
+                self._finish(req, Status.ABORTED, None)
+        if freed:
+            self.running = [r for r in self.running if r.status == Status.RUNNING]
 
     def _slo_fields(self, tr: TraceRequest) -> dict:
         """A request's targets in steps (SLO.TARGET_STEPS) and its predicted output length."""
@@ -856,6 +1015,14 @@ class SpecEngine:
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)
         if req is None or req.status not in (Status.WAITING, Status.PREEMPTED, Status.RUNNING, Status.SWAPPED):
+            return
+        if req.abort_pending:  # already aborted (ABORT.AFTER_NEXT_SAMPLE)
+            return
+        if req.status == Status.RUNNING and self.plan.abort_running == "ABORT.AFTER_NEXT_SAMPLE":
+            req.abort_pending = True  # freed with the result of the next step it samples in
+            self._aborted.append(request_id)
+            self._reasons.append(reason(ABORT_AFTER_SAMPLE, request_id, "aborted by the client; freed after it "
+                                                                        "samples once more"))
             return
         if req.status == Status.RUNNING:
             self.running.remove(req)
@@ -940,12 +1107,17 @@ class SpecEngine:
     @phase("continue_prefill")
     def _phase_continue_prefill(self, st: StepState) -> None:
         """A prefill the budget cut in the previous step continues first, before any
-        admission (RUN.CONTINUE_PREFILL_FIRST); its blocks were reserved at admission."""
+        admission (RUN.CONTINUE_PREFILL_FIRST); its blocks were reserved at admission
+        (ADMIT.RESERVE_SEQUENCE), or are allocated now for its chunk."""
         for rid in self.cut_prefills():
             req = self.requests[rid]
             n = chunk_size(req.num_tokens - req.num_computed_tokens, st.cap, st.budget)
-            self.kv.allocate_slots(req, n)  # ADMIT.RESERVE_SEQUENCE: allocates nothing new
+            new = self.kv.allocate_slots(req, n)  # ADMIT.RESERVE_SEQUENCE: allocates nothing new
+            if isinstance(new, AllocFailure):  # (kv_reservation=step) it waits for a step with blocks
+                st.out.reasons.append(reason(new.rule, rid, "not continued: " + new.text))
+                continue
             st.scheduled[rid] = n
+            st.continued[rid] = len(new)
             st.budget -= n
             st.out.reasons.append(reason(RUN_CONTINUE_PREFILL, rid, f"{n} tokens ({st.budget} left)"))
 
@@ -1246,8 +1418,7 @@ class SpecEngine:
         first head reaches it and charged by every admission after."""
         cfg, bs = self.config, self.config.block_size
         if st.rem is None:
-            ratio = self.new_token_ratio
-            st.rem = self.kv.pool.num_free_blocks * bs - sum(ratio * remaining_output(r, cfg) for r in self.running)
+            st.rem = self._estimate_rem(st)
             st.out.estimate_rem = st.rem
         need = remaining + remaining_output(req, cfg) + bs
         if not estimate_admits(need, st.rem):
@@ -1257,6 +1428,21 @@ class SpecEngine:
             return False
         st.rem -= cdiv(remaining, bs) * bs + remaining_output(req, cfg) + bs
         return True
+
+    def _estimate_rem(self, st: StepState) -> float:
+        """ESTIMATE.ADMIT's ``rem`` as the admission round begins: free + evictable tokens (as
+        before this step's continued chunks took theirs), minus each running request's estimated
+        remaining output (ESTIMATE.RUNNING_RATIO; a continued prefill is not running yet), minus
+        each continued chunk's charge (ESTIMATE.CONTINUED_CHUNK)."""
+        cfg, ratio = self.config, self.new_token_ratio
+        free = (self.kv.pool.num_free_blocks + sum(st.continued.values())) * cfg.block_size
+        rem = free - sum(running_ratio(r, ratio) * remaining_output(r, cfg) for r in self.running
+                         if r.request_id not in st.continued)
+        for rid in st.continued:
+            req = self.requests[rid]
+            rem -= continued_chunk_charge(st.scheduled[rid], req.num_computed_tokens + st.scheduled[rid] >= req.num_tokens,
+                                          req, cfg)
+        return rem
 
     def _allocate_step(self, req: Request, n: int, hit_blocks: list, hit: int):
         """Blocks for this step's chunk (the whole current sequence must fit under
@@ -1380,7 +1566,7 @@ class SpecEngine:
             took[s.request_id] = token
             req.append_output_token(token)
             note_token(req, self.clock)
-            why = check_stop(req, token, self.config)
+            why = self.check_stop(req, token)
             for verify in self.verify_drafts:
                 why = verify(req, s, why)
             if why is None:
@@ -1391,6 +1577,8 @@ class SpecEngine:
                 finished.append((req.request_id, why))
                 rule_id = {FINISH_EOS: "STOP.EOS", FINISH_STOP_TOKEN: "STOP.STOP_TOKEN"}.get(why, "STOP.LENGTH")
                 out.reasons.append(reason(rule_id, req.request_id, f"finished: {why} after {len(req.output_token_ids)} tokens"))
+        for hook in self.after_outputs:
+            hook(out)
         return self._close_step(out, finished, took)
 
     def _close_step(self, out: SchedulerOutput, finished: list[tuple[str, str]], took: dict[str, int]) -> StepRecord:

@@ -50,7 +50,10 @@ MUST_FIRE = {
     "spf-aging": ("QUEUE.AGING", "QUEUE.SPF"),
     "vtc": ("VTC.LIFT", "VTC.PICK", "VTC.CHARGE"),
     "vllm-v0-swap": ("SWAP.OUT", "SWAP.IN", "SWAP.FALLBACK_RECOMPUTE", "SWAP.BEFORE_WAITING"),
-    "sglang": ("ESTIMATE.ADMIT", "ESTIMATE.RATIO", "RETRACT.VICTIM_FEWEST_OUTPUTS", "RETRACT.TO_TAIL"),
+    "sglang": ("ESTIMATE.ADMIT", "ESTIMATE.RATIO", "RETRACT.VICTIM_FEWEST_OUTPUTS", "RETRACT.TO_TAIL",
+               "RUN.CONTINUE_PREFILL_FIRST", "ESTIMATE.CONTINUED_CHUNK", "ESTIMATE.RUNNING_RATIO",
+               "ARRIVE.CLIP_MAX_TOKENS", "REJECT.INPUT_LIMIT", "STOP.IGNORE_EOS_SCOPE", "ABORT.AFTER_NEXT_SAMPLE",
+               "CACHE.REGISTER_WHEN_COMPUTED"),
     "nano-vllm": ("RUN.CONTINUE_PREFILL_FIRST", "ADMIT.CHUNK_ONLY_FIRST", "ADMIT.RESERVE_SEQUENCE", "KV.FREE_TO_TAIL",
                   "CACHE.REGISTER_WHEN_COMPUTED", "CACHE.LATEST_WINS", "BATCH.MAX_NUM_SEQS_PER_STEP",
                   "PREEMPT.VICTIM_NEWEST"),
@@ -117,6 +120,13 @@ def test_mixed_knobs_agree():
                      max_num_seqs_scope=nano.choice(("running", "step")))
         if knobs["batching"] == "prefill-first":
             knobs["prefill_chunking"] = nano.choice(("any", "first-continues"))
+        # SGLang's knobs (issue #16 item 2), from their own generator
+        sgl = random.Random(f"sglang knobs {seed}")
+        knobs.update(length_limits=sgl.choice(("reject", "clip")),
+                     ignore_eos_scope=sgl.choice(("eos", "eos-and-stop-tokens")),
+                     abort_running=sgl.choice(("at-once", "after-next-sample")))
+        if knobs["batching"] == "prefill-first" and sgl.random() < 0.3:
+            knobs["prefill_chunking"] = "last-continues"
         trace = random_trace(seed, max_steps=MAX_STEPS, **knobs)
         result = replay(trace, "gpu", "exact")
         assert result.agreed, f"seed {seed} {knobs}: {result.divergence.describe()}"

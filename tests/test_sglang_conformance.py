@@ -20,16 +20,23 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DIFFERENCES = ROOT / "tests" / "corpus" / "sglang" / "differences"
+AGREE = ROOT / "tests" / "corpus" / "sglang" / "agree"
 
 #: Minimal trace per documented difference (docs/conformance.md, SGLang section), with SGLang's
 #: recorded log: the level compared, and the step and field of the first divergence.
 DIFFERENCE_TRACES = {
-    "input-limit": ("decisions", 0, "scheduled"),  # 1
-    "output-clip": ("decisions", 9, "finished"),  # 2
-    "ignore-eos-stop-token": ("decisions", 1, "finished"),  # 3
-    "same-step-prefix": ("decisions", 0, "scheduled"),  # 5
-    "abort-running": ("decisions", 3, "scheduled"),  # 11
-    "leaf-eviction": ("memory", 20, "num_evicted"),  # 8 and 7
+    "leaf-eviction": ("memory", 20, "num_evicted"),  # 8
+    "duplicate-insert": ("memory", 0, "num_free_blocks"),  # 13
+}
+
+#: Minimal traces of fixed differences, with SGLang's recorded log: the sglang profile now agrees
+#: with the log on every field of this level (docs/conformance.md, SGLang section).
+AGREE_TRACES = {
+    "input-limit": "exact",  # 1: REJECT.INPUT_LIMIT
+    "output-clip": "exact",  # 2: ARRIVE.CLIP_MAX_TOKENS
+    "ignore-eos-stop-token": "exact",  # 3: STOP.IGNORE_EOS_SCOPE
+    "same-step-prefix": "decisions",  # 5: cache_register=computed (memory level: 13)
+    "abort-running": "exact",  # 11: ABORT.AFTER_NEXT_SAMPLE
 }
 
 
@@ -163,6 +170,22 @@ def test_documented_differences_diverge_where_their_description_says(name):
     assert f"first divergence at step {step}, field {field_name}" in trace.description
     doc = (ROOT / "docs" / "conformance.md").read_text()
     assert f"tests/corpus/sglang/differences/{name}.jsonl" in doc
+
+
+@pytest.mark.parametrize("name", sorted(AGREE_TRACES))
+def test_fixed_differences_agree_with_their_recorded_sglang_log(name):
+    """Each fixed difference keeps its minimal trace and SGLang's recorded log (no SGLang needed):
+    the sglang profile agrees with the log on every field of the entry's level."""
+    from fuzz.replay import replay_records
+    from spec.io import load_log, load_trace
+
+    trace = load_trace(AGREE / f"{name}.jsonl")
+    log = load_log(AGREE / f"{name}.log.jsonl")
+    assert log.engine == "sglang-0.5.23"
+    result = replay_records(trace, log.records, AGREE_TRACES[name], engine="sglang")
+    assert result.agreed, result.divergence.describe()
+    assert f"Agreement with SGLang 0.5.23 ({AGREE_TRACES[name]} level" in trace.description
+    assert f"tests/corpus/sglang/agree/{name}.jsonl" in (ROOT / "docs" / "conformance.md").read_text()
 
 
 def test_engine_refused_in_one_line_without_sglang():

@@ -152,8 +152,14 @@ def test_retraction_victim_fewest_outputs_then_longest_prompt_then_latest():
 
 def test_estimate_rejects_what_could_never_pass_the_estimate():
     # 30 usable tokens: prompt 10 + 20 out + 1 = 31 >= 30 (with o = 19 outputs: 10 + 19 + 1 + 1 = 31)
-    recs = steps(SGL, R("A", 10, 20), R("B", 10, 18))
+    recs = steps({**SGL, "length_limits": "reject"}, R("A", 10, 20), R("B", 10, 18))
     assert recs[0].rejected == [("A", "never_fits")] and recs[0].new == ["B"]
+    # the sglang profile (length_limits=clip) admits it instead, max_tokens cut to 30 - 10 - 2 = 18
+    # (ARRIVE.CLIP_MAX_TOKENS): it finishes after 18 tokens, with reason max_model_len
+    recs = steps(SGL, R("A", 10, 20))
+    assert recs[0].new == ["A"] and "ARRIVE.CLIP_MAX_TOKENS" in rules_for(recs[0], "A")
+    assert [f for r in recs.values() for f in r.finished] == [("A", "max_model_len")]
+    assert sum("A" in r.sampled for r in recs.values()) == 18
     # the same request fits vllm-v1's peak rule: 10 + 20 - 1 = 29 slots <= 30
     assert steps({"block_size": 1, "num_blocks": 31}, R("A", 10, 20))[0].new == ["A"]
 
