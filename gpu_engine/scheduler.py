@@ -355,8 +355,11 @@ class Scheduler:
     def abort(self, request_id: str) -> bool:
         """Remove a waiting or running request and free its blocks at once."""
         s = self.slot_of.get(request_id)
-        if s is None:
+        if s is None or s in self.abort_pending:
             return False
+        if int(self.status[s]) == RUNNING and self.abort_after_sample:  # freed by update() after its next sample
+            self.abort_pending.add(s)
+            return True
         if int(self.status[s]) == RUNNING:
             self._free_tables(self.be.asarray([s]))
             self.status[s] = FREE
