@@ -399,11 +399,11 @@ def cmd_fuzz(args) -> int:
     console.print(readable(table))
     if state.findings:  # one row per group of divergences that share a cause (fuzz/corpus.py)
         ft = Table(title=f"findings, one per group (saved in {cfg.corpus}/)")
-        for col in ("finding", "divergent traces", "raw signatures", "first trace", "shrunk to"):
+        for col in ("finding", "divergent traces", "raw signatures", "first trace", "shrunk to", "triage"):
             ft.add_column(col)
-        for name, f in state.findings.items():
+        for name, f in state.findings.items():  # triage: the automatic class (batchspec triage sets it by hand)
             ft.add_row(name, str(f["count"]), str(len(f.get("raw_signatures", [])) or 1), str(f["first_trace"]),
-                       f"{f['requests']} requests" if f.get("requests") else f.get("error", "-"))
+                       f"{f['requests']} requests" if f.get("requests") else f.get("error", "-"), f.get("triage", "-"))
         console.print(readable(ft))
     missed = sorted(set(RULES) - set(state.covered))
     if missed:
