@@ -164,6 +164,7 @@ class Scheduler:
         self._ones: dict[int, tuple] = {}  # length -> read-only (ones, all-True) arrays for steady batches
         self._steady_batch = None  # (num_tokens, start, samples) of this step's :meth:`_decode_all`
         self._slack = None  # (sampling slots, clock, min(stop_at - num_tokens)) of the last update
+        self._empty = self.be.empty_int()  # a step's empty phases (shared: nothing writes into a 0-length array)
         self.log_state = False  # the engine logs the optional state fields (set by GpuEngine)
         self.registered: dict[str, list[int]] = {}  # logged state: request -> block ordinals registered this step
         # async scheduling: a step's sampled tokens are known one step later; until then each is a
@@ -474,7 +475,7 @@ class Scheduler:
         ts, lo, hi = slots[todo], cached[todo], full[todo]
         ts_l, lo_l, hi_l = xp.to_list(ts), xp.to_list(lo), xp.to_list(hi)  # (the hash map is on the host)
         chains = self.hashes
-        if all(b - a == 1 for a, b in zip(lo_l, hi_l)):  # one new full block each (the steady state)
+        if sum(hi_l) - sum(lo_l) == len(ts_l):  # one new full block each (the steady state; every hi > lo)
             blocks = self.block_table[ts, lo]
             hashes = [chains[s][a] for s, a in zip(ts_l, lo_l)]
         else:
@@ -571,7 +572,7 @@ class Scheduler:
         if cap and c.long_prefill_token_threshold_adaptive:  # floored at an even split of the budget
             cap = max(cap, c.max_num_batched_tokens // eligible)
         budget = c.max_num_batched_tokens
-        empty = self.be.empty_int()
+        empty = self._empty
         batch = Batch(empty, empty, empty, empty)
         slots1 = n1 = slots_in = n_in = slots_c = n_c = slots2 = n2 = empty
         starved = not len(self.running) and (self.num_waiting > 0 or self.num_swapped > 0)
