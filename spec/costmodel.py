@@ -10,6 +10,7 @@ The formula (one line, linear, documented term by term)::
                  + per_prefill_token_s * prefill_tokens
                  + per_decode_seq_s    * decode_seqs
                  + per_kv_token_s      * kv_tokens
+                 + per_prefill_step_s  * (1 if prefill_tokens > 0 else 0)
 
 ``prefill_tokens``
     tokens computed in the step that are not a decode: prompt chunks, and the
@@ -19,6 +20,12 @@ The formula (one line, linear, documented term by term)::
 ``kv_tokens``
     KV-cache tokens the attention reads: for every scheduled request, its
     context after the step (``start + tokens``), prefix-cache hits included.
+``per_prefill_step_s``
+    paid once by a step that computes any prefill token (0 in every preset).
+    Measured on a real vLLM server (issue 17, docs/server.md): a step that
+    mixes a prompt chunk into the decodes costs a fixed extra beyond its tokens
+    (the attention backend's separate prefill path and metadata, and the front
+    end's work on the request that just arrived, on the same cores).
 
 Why these terms: a decoder step streams the weights once (``fixed_s``, the
 memory-bound floor, plus launch and scheduling overhead); every prompt token is
@@ -67,9 +74,10 @@ class CostModel:
     per_kv_token_s: float = 0.0
     knobs: dict[str, Any] = field(default_factory=dict)
     source: str = ""
+    per_prefill_step_s: float = 0.0  # last: positional construction keeps its meaning
 
     def __post_init__(self) -> None:
-        for name in ("fixed_s", "per_prefill_token_s", "per_decode_seq_s", "per_kv_token_s"):
+        for name in COEFFICIENTS:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0 or value == float("inf"):
                 raise ValueError(f"cost model {self.name!r}: {name} must be a finite number >= 0, got {value!r}")
@@ -83,6 +91,7 @@ class CostModel:
             + self.per_prefill_token_s * shape.prefill_tokens
             + self.per_decode_seq_s * shape.decode_seqs
             + self.per_kv_token_s * shape.kv_tokens
+            + self.per_prefill_step_s * (1 if shape.prefill_tokens > 0 else 0)  # + 0.0 when unset: bit-identical
         )
 
     def step_ns(self, shape: StepShape) -> int:
@@ -90,7 +99,7 @@ class CostModel:
         return max(1, round(self.step_seconds(shape) * NS_PER_S))
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "name": self.name,
             "fixed_s": self.fixed_s,
             "per_prefill_token_s": self.per_prefill_token_s,
@@ -99,10 +108,13 @@ class CostModel:
             "knobs": dict(self.knobs),
             "source": self.source,
         }
+        if self.per_prefill_step_s:  # written only when set: older readers keep reading the presets' files
+            out["per_prefill_step_s"] = self.per_prefill_step_s
+        return out
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> "CostModel":
-        known = {"name", "fixed_s", "per_prefill_token_s", "per_decode_seq_s", "per_kv_token_s", "knobs", "source"}
+        known = set(FILE_FIELDS)
         unknown = sorted(set(obj) - known)
         if unknown:
             raise ValueError(f"unknown cost-model field {unknown[0]!r} (known: {', '.join(sorted(known))})")
@@ -116,6 +128,7 @@ class CostModel:
             per_kv_token_s=obj.get("per_kv_token_s", 0.0),
             knobs=dict(obj.get("knobs", {})),
             source=str(obj.get("source", "")),
+            per_prefill_step_s=obj.get("per_prefill_step_s", 0.0),
         )
 
 
@@ -126,7 +139,7 @@ class CostModel:
 #: Largest coefficient a cost-model file may set, in seconds: no real engine spends an
 #: hour on a step or a token, and larger values overflow the nanosecond clock's float.
 MAX_COEFFICIENT_S = 3600.0
-COEFFICIENTS = ("fixed_s", "per_prefill_token_s", "per_decode_seq_s", "per_kv_token_s")
+COEFFICIENTS = ("fixed_s", "per_prefill_token_s", "per_decode_seq_s", "per_kv_token_s", "per_prefill_step_s")
 FILE_FIELDS = ("name", *COEFFICIENTS, "knobs", "source")
 
 

@@ -17,7 +17,7 @@ ALLOWED = {
     "gpu_engine": {"spec.formats", "spec.protocol", "spec.config", "torch", "numpy", "triton", "safetensors"},
     "invariants": {"spec", "z3", "hypothesis", "gpu_engine", "torch", "numpy"},
     "fuzz": {"spec", "reference", "gpu_engine", "invariants", "hypothesis", "rich", "torch", "numpy", "vllm", "ray",
-             "sglang"},
+             "sglang", "aiohttp"},  # aiohttp: the live-server client (fuzz/server.py), installed with vLLM
     "batchspec": set(PACKAGES) | {"rich", "matplotlib", "numpy", "torch"},
 }
 
