@@ -243,9 +243,10 @@ def test_generator_draws_acceptance_only_with_speculative_decoding():
 
 def _vllm_records(config, *requests):
     from fuzz.replay import EngineUnavailable, replay
+    from fuzz.vllm_adapter import RELEASES, installed_release
 
-    try:
-        result = replay(trace(config, *requests), "vllm", "exact")
+    try:  # the installed release's profile (vllm-v1 for 0.32, vllm-v1-0.33 for 0.33)
+        result = replay(trace({**config, "profile": RELEASES[installed_release()]}, *requests), "vllm", "exact")
     except EngineUnavailable as e:
         pytest.fail(f"the `vllm` suite was selected but vLLM cannot be used: {e}", pytrace=False)
     assert result.agreed, result.describe()
@@ -271,8 +272,47 @@ def test_vllm_random_speculative_traces_agree(capabilities):
     from fuzz.capabilities import load
     from fuzz.conform import run_conformance
 
+    from fuzz.vllm_adapter import installed_release
+
     n = max(2000, int(os.environ.get("BATCHSPEC_VLLM_TRACES", "2000")))
+    if installed_release() == "0.33.0":  # its envelope pins the release knob priority_self_preempt=continue
+        capabilities = capabilities.replace("vllm-v1-", "vllm-v1-0.33-")
     envelope = load(EXAMPLES / f"{capabilities}.capabilities.json")
     report = run_conformance(n, seed=0, level="exact", engine="vllm", progress=False, capabilities=envelope)
     assert report.n_traces >= 2000
     assert report.all_agreed, "\n\n".join(f"seed {o.seed}: {o.explanation}" for o in report.divergent[:5])
+
+
+def test_gpu_engine_refuses_speculative_decoding_by_name():
+    """gpu_engine does not implement speculative decoding yet (issue #15 item 2): it refuses
+    the knob by name instead of running something else."""
+    pytest.importorskip("torch", reason="gpu_engine needs torch")
+    from gpu_engine.engine import check_supported
+
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        check_supported(resolve({"profile": "vllm-v1", "num_speculative_tokens": 2}))
+
+
+@pytest.mark.vllm
+def test_vllm_asserts_on_a_padded_admission_cut_by_the_long_prefill_cap(monkeypatch):
+    """The configuration the spec refuses (0 < long_prefill_token_threshold < 1 + K): W leaves
+    its 8-token group prefix cached; X and Y then hit 8 of their 9 tokens, X's one token is
+    padded to 1 + 3, and with two requests eligible the cap of 2 cuts it: vLLM fails its own
+    ``assert num_new_tokens == 1 + self.num_spec_tokens``."""
+    import dataclasses
+
+    import fuzz.vllm_adapter as adapter
+    from spec.config import PROFILES
+    from spec.protocol import drive
+
+    cfg = dataclasses.replace(PROFILES["vllm-v1"].config, num_blocks=32, block_size=4, max_num_batched_tokens=32,
+                              max_num_seqs=8, max_model_len=64, num_speculative_tokens=3,
+                              long_prefill_token_threshold=2, enable_prefix_caching=True)
+    with pytest.raises(ConfigError, match="long_prefill_token_threshold"):
+        resolve({"profile": "vllm-v1", **{k: getattr(cfg, k) for k in ("num_speculative_tokens",
+                                                                         "long_prefill_token_threshold")}})
+    t = trace({}, R("W", 9, 1, prefix_group="g", prefix_len=8), R("X", 9, 3, at=3, prefix_group="g", prefix_len=8),
+              R("Y", 9, 3, at=3, prefix_group="g", prefix_len=8))
+    monkeypatch.setattr(adapter, "resolve", lambda raw: cfg)  # past the spec's refusal
+    with pytest.raises(AssertionError):
+        drive(adapter.VllmEngine(t), t, 50)
