@@ -409,13 +409,18 @@ def cmd_fuzz(args) -> int:
     table.add_column("steps", justify="right")
     table.add_column("traces/s", justify="right")
     table.add_column("rule ids hit", justify="right")
+    table.add_column("interactions hit", justify="right")
     table.add_column("findings", justify="right")
     table.add_column("first finding", justify="right")
     RULES |= set(state.covered)  # a rule that fired is reachable, whatever its declared needs
+    # the curated interactions (fuzz.pairs.INTERACTIONS) the envelope can meet, and those some trace met
+    reachable = state.reachable_interactions
+    met = [name for name in reachable if state.interactions.get(name)]
     table.add_row(str(state.traces), str(state.steps), f"{state.traces / max(state.seconds, 1e-9):.1f}",
-                  f"{len(state.covered)}/{len(RULES)}", str(len(state.findings)), first_finding_text(state))
+                  f"{len(state.covered)}/{len(RULES)}", f"{len(met)}/{len(reachable)}", str(len(state.findings)),
+                  first_finding_text(state))
     table.caption = f"engine {cfg.engine} implements: {envelope.describe()}; rule ids counted: the {len(RULES)} " \
-        f"of {ALL_RULES} its envelope can fire" + (
+        f"of {ALL_RULES} its envelope can fire; {len(state.pairs)} rule pairs seen in one step or one request's life" + (
         f" ({state.outside_envelope} traces drawn outside it, not run)" if state.outside_envelope else "")
     console.print(readable(table))
     if state.findings:  # one row per group of divergences that share a cause (fuzz/corpus.py)
@@ -429,6 +434,8 @@ def cmd_fuzz(args) -> int:
     missed = sorted(set(RULES) - set(state.covered))
     if missed:
         console.print(f"rule ids not hit: {', '.join(missed)}")
+    if len(met) < len(reachable):
+        console.print(f"interactions not met: {', '.join(name for name in reachable if name not in met)}")
     incomplete = [name for name, f in state.findings.items() if str(f.get("report", "ok")).startswith("incomplete")]
     if incomplete:
         err_console.print(f"{len(incomplete)} report(s) could not be written whole ({incomplete[0]}: "

@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import inspect
+import textwrap
 import os
 import sys
 import tempfile
@@ -33,12 +35,29 @@ from gpu_engine.block_pool import BlockPool  # noqa: E402
 from gpu_engine.scheduler import PREEMPTED, Scheduler  # noqa: E402
 
 
+class PlantError(RuntimeError):
+    """A mutant's patch no longer applies to gpu_engine's source (the engine changed)."""
+
+
+def source_patch(cls, name: str, old: str, new: str) -> list:
+    """``cls.name`` recompiled from its own source with the one line holding ``old`` changed to ``new``
+    (module globals as they are): a planted bug inside a method, without a copy of the method."""
+    fn = cls.__dict__[name]
+    src = textwrap.dedent(inspect.getsource(fn))
+    if src.count(old) != 1:
+        raise PlantError(f"{cls.__name__}.{name}: expected {old!r} once in its source, found it {src.count(old)} times")
+    namespace = dict(fn.__globals__)
+    exec(compile(src.replace(old, new), f"<mutant of {cls.__name__}.{name}>", "exec"), namespace)
+    return [(cls, name, namespace[name])]
+
+
 @dataclasses.dataclass
 class Mutant:
     name: str
     family: str  # real-bugs.md ids
     bug: str
     patches: callable  # () -> list of (object, attribute, replacement)
+    interaction: str | None = None  # the fuzz.pairs interaction it lives in (an interaction bug)
 
 
 def _block_off_by_one():
@@ -51,19 +70,15 @@ def _block_off_by_one():
 
 def _no_reset_on_preempt():
     admit = Scheduler._admit
-
-    def _preempt(self, victims):
-        self._free_tables(victims)
-        self.status[victims] = PREEMPTED  # BUG: num_computed_tokens kept ...
-        for s in xp.to_list(victims):
-            self._enqueue(s, front=True)
+    # BUG: a preempted request keeps num_computed_tokens ...
+    preempt = source_patch(Scheduler, "_preempt", "self.num_computed_tokens[rc] = 0", "pass")
 
     def _admit(self, batch, adm, ntok, n, need, hits, nhit, evictable):
         resumed = adm[self.status[adm] == PREEMPTED]
         kept = self.num_computed_tokens[resumed] * 1
         admit(self, batch, adm, ntok, n, need, hits, nhit, evictable)
         self.num_computed_tokens[resumed] = xp.maximum(kept, self.num_computed_tokens[resumed])  # ... and used on resume
-    return [(Scheduler, "_preempt", _preempt), (Scheduler, "_admit", _admit)]
+    return preempt + [(Scheduler, "_admit", _admit)]
 
 
 def _wrong_victim():
@@ -89,7 +104,7 @@ def _double_free():
 def _hash_before_computed():
     orig = Scheduler._cache_blocks
 
-    def _cache_blocks(self, slots, upto_tokens):
+    def _cache_blocks(self, slots, upto_tokens, full=None):
         return orig(self, slots, upto_tokens + self.bs)  # BUG: registers the next, uncomputed block too
     return [(Scheduler, "_cache_blocks", _cache_blocks)]
 
@@ -114,13 +129,8 @@ def _budget_charged_differently():
 
 
 def _reinsertion_reversed():
-    def _preempt(self, victims):
-        self._free_tables(victims)
-        self.status[victims] = PREEMPTED
-        self.num_computed_tokens[victims] = 0
-        for s in reversed(xp.to_list(victims)):  # BUG: several victims return in reverse order
-            self._enqueue(s, front=True)
-    return [(Scheduler, "_preempt", _preempt)]
+    # BUG: several victims return to the queue in reverse order
+    return source_patch(Scheduler, "_preempt", "for s in recompute:", "for s in reversed(recompute):")
 
 
 def _whole_prompt_hit():
@@ -219,6 +229,75 @@ def _evict_keeps_hash():
     return [(BlockPool, "pop", pop)]
 
 
+# -- interaction bugs: two mechanisms meeting (issue 18 item 2; fuzz.pairs.INTERACTIONS) --------------
+
+
+def _shared_prefix_freed_on_preempt():
+    orig = Scheduler._preempt
+
+    def _preempt(self, victims, batch):
+        held = self.num_blocks[victims]
+        rows, cols = self._table_entries(victims, held, held * 0)
+        blocks = self.block_table[rows, cols]
+        shared = blocks[self.pool.ref_cnt[blocks] > 1]
+        if len(shared):  # BUG: a victim's shared prefix blocks lose one reference too many
+            xp.add_at(self.pool.ref_cnt, shared, -1)
+        return orig(self, victims, batch)
+    return [(Scheduler, "_preempt", _preempt)]
+
+
+def _victim_tokens_not_returned():
+    # BUG: a priority victim scheduled earlier in the step keeps its tokens charged to the budget
+    return source_patch(Scheduler, "_schedule_running", "budget += xp.total(sn[hit])", "budget += 0")
+
+
+def _abort_preempted_left_queued():
+    orig = Scheduler.abort
+
+    def abort(self, request_id):
+        s = self.slot_of.get(request_id)
+        if s is not None and int(self.status[s]) == PREEMPTED:
+            return True  # BUG: reported aborted, but the preempted request stays in the waiting queue
+        return orig(self, request_id)
+    return [(Scheduler, "abort", abort)]
+
+
+def _abort_swapped_leaks_cpu():
+    # BUG: aborting a swapped-out request does not return its CPU blocks to the CPU pool
+    return source_patch(Scheduler, "abort", "self.cpu_free += int(self.cpu_blocks[s])", "pass")
+
+
+def _chunk_after_hit_off_by_one():
+    orig = Scheduler._admit
+
+    def _admit(self, batch, adm, ntok, n, need, hits, nhit, evictable):
+        orig(self, batch, adm, ntok, n, need, hits, nhit, evictable)
+        cut = (nhit > 0) & (nhit * self.bs + n < ntok)
+        if xp.any_true(cut):  # BUG: a chunked prefill after a prefix hit starts one token early
+            self.num_computed_tokens[adm[cut]] -= 1
+    return [(Scheduler, "_admit", _admit)]
+
+
+def _retraction_drops_prefix():
+    orig = Scheduler._preempt
+
+    def _preempt(self, victims, batch):
+        if self.estimate and self.caching:  # BUG: a retracted request's own cached blocks leave the cache map
+            held = self.num_blocks[victims]
+            rows, cols = self._table_entries(victims, held, held * 0)
+            blocks = self.block_table[rows, cols]
+            own = xp.to_list(blocks[(self.pool.ref_cnt[blocks] == 1) & (self.pool.block_hash[blocks] >= 0)])
+            for b in own:
+                h = int(self.pool.block_hash[b])
+                same = self.pool.cached.get(h, {})
+                same.pop(b, None)
+                if not same:
+                    self.pool.cached.pop(h, None)
+                self.pool.block_hash[b] = -1
+        return orig(self, victims, batch)
+    return [(Scheduler, "_preempt", _preempt)]
+
+
 MUTANTS = [
     Mutant("block_off_by_one", "VLLM-17, ATOM#250", "a growing request gets one block too few at a block boundary", _block_off_by_one),
     Mutant("no_reset_on_preempt", "LMD-02, VLLM-13", "a preempted request keeps its computed-token count", _no_reset_on_preempt),
@@ -238,6 +317,18 @@ MUTANTS = [
     Mutant("max_num_seqs_off_by_one", "VLLM-16", "admission allows max_num_seqs + 1 running requests", _max_num_seqs_off_by_one),
     Mutant("touch_keeps_free", "MSGL-01", "a hit block stays in the free queue and can be re-allocated while in use", _touch_keeps_free),
     Mutant("evict_keeps_hash", "VLLM-19, VLLM-21", "a re-used cached block keeps its prefix-cache entry", _evict_keeps_hash),
+    Mutant("shared_prefix_freed_on_preempt", "VLLM-08, SGL-09", "preempting a request that shares cached prefix blocks "
+           "drops one reference too many on them", _shared_prefix_freed_on_preempt, "preempt x shared-prefix"),
+    Mutant("victim_tokens_not_returned", "VLLM priority preemption", "a priority victim scheduled earlier in the step "
+           "does not give its tokens back to the budget", _victim_tokens_not_returned, "priority-preempt x spent-budget"),
+    Mutant("abort_preempted_left_queued", "VLLM-09", "aborting a preempted request leaves it in the waiting queue",
+           _abort_preempted_left_queued, "abort x preempted"),
+    Mutant("abort_swapped_leaks_cpu", "VLLM V0 swap", "aborting a swapped-out request leaks its CPU blocks",
+           _abort_swapped_leaks_cpu, "abort x swapped"),
+    Mutant("chunk_after_hit_off_by_one", "VLLM-18, SGL chunked prefix", "a prefill chunked after a prefix hit starts "
+           "one token early", _chunk_after_hit_off_by_one, "chunked-prefill x prefix-hit"),
+    Mutant("retraction_drops_prefix", "SGL retract", "a retracted request's cached prefix leaves the prefix cache at once",
+           _retraction_drops_prefix, "retraction x eviction"),
 ]
 
 
@@ -254,21 +345,110 @@ def planted(mutant: Mutant):
             setattr(obj, name, old)
 
 
+#: The spec rules at fault for each planted bug: a report that names one of them names the cause;
+#: one that names another rule names a symptom.  (Two where the bug sits between two rules.)
+AT_FAULT: dict[str, tuple[str, ...]] = {
+    "block_off_by_one": ("KV.NO_FREE_BLOCKS", "RUN.PREEMPT_FOR_BLOCKS"),
+    "no_reset_on_preempt": ("PREEMPT.RECOMPUTE", "ADMIT.RESUMED"),
+    "wrong_victim": ("PREEMPT.VICTIM_NEWEST",),
+    "double_free": ("KV.FREE_ORDER", "KV.FREE_REVERSED"),
+    "hash_before_computed": ("CACHE.REGISTER_AT_ALLOCATION", "CACHE.BLOCK_HASH"),
+    "admission_not_rolled_back": ("CACHE.TOUCH", "CACHE.HIT"),
+    "budget_charged_differently": ("BUDGET.TOKENS",),
+    "reinsertion_reversed": ("QUEUE.VICTIM_TO_FRONT",),
+    "whole_prompt_hit": ("CACHE.HIT",),
+    "unhashed_to_tail": ("KV.FREE_ORDER",),
+    "free_not_reversed": ("KV.FREE_REVERSED",),
+    "watermark_ignored": ("ADMIT.WATERMARK",),
+    "lone_request_capped": ("BUDGET.LONG_PREFILL",),
+    "length_before_eos": ("STOP.EOS", "STOP.STOP_TOKEN"),
+    "admit_after_preempt": ("ADMIT.NONE_AFTER_PREEMPT",),
+    "max_num_seqs_off_by_one": ("ADMIT.MAX_NUM_SEQS",),
+    "touch_keeps_free": ("CACHE.TOUCH",),
+    "evict_keeps_hash": ("CACHE.EVICT_LRU", "KV.POP_HEAD"),
+    "shared_prefix_freed_on_preempt": ("PREEMPT.RECOMPUTE", "KV.FREE_ORDER"),
+    "victim_tokens_not_returned": ("PREEMPT.VICTIM_LOWEST_PRIORITY",),
+    "abort_preempted_left_queued": ("ABORT.FREE",),
+    "abort_swapped_leaks_cpu": ("ABORT.FREE",),
+    "chunk_after_hit_off_by_one": ("CACHE.HIT", "BUDGET.TOKENS"),
+    "retraction_drops_prefix": ("RETRACT.TO_TAIL",),
+}
+
+
 def score(mutant: Mutant, seconds: float, seed: int, stop_on_finding: bool = False) -> dict:
+    """One campaign against the planted mutant: caught or not, time to the first report, the rule that
+    report names (and whether it is one at fault), findings per bug, raw signatures, traces."""
     with planted(mutant), tempfile.TemporaryDirectory() as corpus:
         t0 = time.perf_counter()
         state = run_campaign(CampaignConfig(seed=seed, engine="gpu", level="exact", seconds=seconds, workers=1,
                                             corpus=corpus, timeout=30, shrink_tries=300, stop_on_finding=stop_on_finding))
         elapsed = time.perf_counter() - t0
     raw = {r for f in state.findings.values() for r in f.get("raw_signatures", [])}
+    first = state.first_finding or {}
     out = {"caught": bool(state.findings), "seconds": elapsed, "traces": state.traces, "findings": len(state.findings),
-           "raw": len(raw), "first": (state.first_finding or {}).get("seconds"),
-           "divergent": sum(f["count"] for f in state.findings.values())}
+           "raw": len(raw), "first": first.get("seconds"), "first_traces": first.get("traces"),
+           "divergent": sum(f["count"] for f in state.findings.values()),
+           "interactions": dict(state.interactions)}
     if state.findings:
-        name, f = min(state.findings.items(), key=lambda kv: kv[1]["first_trace"])
+        name = first.get("finding") if first.get("finding") in state.findings else \
+            min(state.findings, key=lambda n: state.findings[n]["first_trace"])
+        f = state.findings[name]
+        rule = f["signature"][2]
         out.update(signature=", ".join(sorted(state.findings)), requests=f.get("requests"),
-                   original=f.get("original_requests"))
+                   original=f.get("original_requests"), rule=rule, rule_ok=rule in AT_FAULT.get(mutant.name, ()))
     return out
+
+
+HEADER = ("| mutant | bug family | caught | time to first report | rule named (correct?) | findings per bug | "
+          "raw signatures | divergent traces | traces run | shrunk trace | finding(s) |\n"
+          "|---|---|---|---:|---|---:|---:|---:|---:|---|---|")
+
+
+def row(m: Mutant, r: dict) -> str:
+    size = f"{r['requests']} requests (from {r['original']})" if r.get("requests") else "-"
+    first = f"{r['first']:.1f} s" if r.get("first") is not None else "-"
+    named = f"`{r['rule']}` ({'yes' if r['rule_ok'] else 'no: ' + ' / '.join(AT_FAULT.get(m.name, ('?',)))})" \
+        if r.get("rule") else "-"
+    label = f"`{m.name}` ({m.bug})" + (f" — *{m.interaction}*" if m.interaction else "")
+    return (f"| {label} | {m.family} | {'yes' if r['caught'] else '**no**'} | {first} | {named} | "
+            f"{r['findings']} | {r['raw']} | {r['divergent']} | {r['traces']} | {size} | {r.get('signature', '-')} |")
+
+
+def summary(results: list[dict], seconds: float, seed: int, stop_on_finding: bool) -> str:
+    caught = [r for r in results if r["caught"]]
+    firsts = sorted(r["first"] for r in caught if r.get("first") is not None)
+    per_bug = sorted(r["findings"] for r in caught)
+    named = [r for r in caught if r.get("rule")]
+    text = (f"{len(caught)}/{len(results)} mutants caught within {seconds:g} s each (one worker, seed {seed}"
+            + (", stopping at the first finding" if stop_on_finding else "") + ").")
+    if caught:
+        text += (f" Findings per caught bug: mean {sum(per_bug) / len(per_bug):.2f}, max {per_bug[-1]}, "
+                 f"{sum(1 for n in per_bug if n == 1)}/{len(per_bug)} exactly one (raw signatures: mean "
+                 f"{sum(r['raw'] for r in caught) / len(caught):.2f}, max {max(r['raw'] for r in caught)}).")
+    if firsts:
+        text += f" Time to first report: median {firsts[len(firsts) // 2]:.1f} s, max {firsts[-1]:.1f} s."
+    if named:
+        ok = sum(1 for r in named if r["rule_ok"])
+        text += f" Reports naming the rule at fault: {ok}/{len(named)} ({100 * ok / len(named):.0f} %)."
+    return text
+
+
+def seeds_table(mutants: list[Mutant], seeds: int, seconds: float, first_seed: int) -> str:
+    """Each mutant on ``seeds`` campaign seeds, each campaign ending at its first finding (or after
+    ``seconds``): how many seeds caught it, and the time and traces to the first report on each."""
+    lines = [f"| mutant | interaction | caught (seeds) | time to first report per seed | traces to it | rule named |",
+             "|---|---|---:|---|---|---|"]
+    print(lines[0] + "\n" + lines[1], flush=True)
+    for m in mutants:
+        rs = [score(m, seconds, first_seed + k, stop_on_finding=True) for k in range(seeds)]
+        times = ", ".join(f"{r['first']:.1f} s" if r["caught"] and r.get("first") is not None else "—" for r in rs)
+        traces = ", ".join(str(r["first_traces"]) if r["caught"] else "—" for r in rs)
+        rules = sorted({f"`{r['rule']}`" + ("" if r["rule_ok"] else " (no)") for r in rs if r.get("rule")})
+        line = (f"| `{m.name}` | {m.interaction or '-'} | {sum(r['caught'] for r in rs)}/{seeds} | {times} | {traces} | "
+                f"{', '.join(rules) or '-'} |")
+        lines.append(line)
+        print(line, flush=True)
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -276,39 +456,33 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60.0, help="campaign budget per mutant")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", help="run these mutants (comma-separated names)")
+    ap.add_argument("--interactions", action="store_true", help="only the interaction mutants")
+    ap.add_argument("--seeds", type=int, default=0,
+                    help="also run each interaction mutant (or --only ones) on this many seeds, each to its first finding")
+    ap.add_argument("--no-table", action="store_true", help="skip the one-seed table (with --seeds)")
     ap.add_argument("--stop-on-finding", action="store_true", help="end each campaign at its first finding")
-    ap.add_argument("--out", help="also write the table (Markdown) to this file")
+    ap.add_argument("--out", help="also write the table(s) (Markdown) to this file")
     args = ap.parse_args()
     only = set(args.only.split(",")) if args.only else None
-    rows, results = [], []
-    header = ("| mutant | bug family | caught | time to first finding | findings per bug | raw signatures | "
-              "divergent traces | traces run | shrunk trace | finding(s) |\n|---|---|---|---:|---:|---:|---:|---:|---|---|")
-    print(header)
-    for m in MUTANTS:
-        if only and m.name not in only:
-            continue
-        r = score(m, args.seconds, args.seed, args.stop_on_finding)
-        results.append(r)
-        size = f"{r['requests']} requests (from {r['original']})" if r.get("requests") else "-"
-        first = f"{r['first']:.1f} s" if r.get("first") is not None else "-"
-        row = (f"| `{m.name}` ({m.bug}) | {m.family} | {'yes' if r['caught'] else '**no**'} | {first} | "
-               f"{r['findings']} | {r['raw']} | {r['divergent']} | {r['traces']} | {size} | {r.get('signature', '-')} |")
-        rows.append(row)
-        print(row, flush=True)
-    caught = [r for r in results if r["caught"]]
-    firsts = sorted(r["first"] for r in caught if r.get("first") is not None)
-    per_bug = sorted(r["findings"] for r in caught)
-    summary = (f"\n{len(caught)}/{len(rows)} mutants caught within {args.seconds:g} s each (one worker, seed {args.seed}"
-               + (", stopping at the first finding" if args.stop_on_finding else "") + ")."
-               + (f" Findings per caught bug: mean {sum(per_bug) / len(per_bug):.2f}, max {per_bug[-1]}, "
-                  f"{sum(1 for n in per_bug if n == 1)}/{len(per_bug)} exactly one (raw signatures: mean "
-                  f"{sum(r['raw'] for r in caught) / len(caught):.2f}, max {max(r['raw'] for r in caught)})."
-                  + (f" Time to first finding: median {firsts[len(firsts) // 2]:.1f} s, max {firsts[-1]:.1f} s."
-                     if firsts else "") if caught else ""))
-    print(summary)
+    chosen = [m for m in MUTANTS if (not only or m.name in only) and (not args.interactions or m.interaction)]
+    text = []
+    if not args.no_table:
+        print(HEADER, flush=True)
+        rows, results = [], []
+        for m in chosen:
+            r = score(m, args.seconds, args.seed, args.stop_on_finding)
+            results.append(r)
+            rows.append(row(m, r))
+            print(rows[-1], flush=True)
+        text.append(HEADER + "\n" + "\n".join(rows) + "\n\n" + summary(results, args.seconds, args.seed, args.stop_on_finding))
+        print("\n" + text[-1].rsplit("\n", 1)[-1])
+    if args.seeds:
+        print()
+        targets = [m for m in chosen if m.interaction or only]
+        text.append(seeds_table(targets, args.seeds, args.seconds, args.seed))
     if args.out:
         with open(args.out, "w") as f:
-            f.write(header + "\n" + "\n".join(rows) + "\n" + summary + "\n")
+            f.write("\n\n".join(text) + "\n")
 
 
 if __name__ == "__main__":

@@ -59,10 +59,11 @@ from typing import Any, Callable
 from fuzz.corpus import save_finding
 from spec.io import OptionError
 from fuzz.generate import profile_knobs, random_trace
+from fuzz.pairs import BY_NAME as INTERACTION_BY_NAME, reachable_interactions, trace_pairs
 import fuzz.engines  # noqa: F401  (registers gpu, gpu-model, reference)
 from fuzz.replay import EngineConfigError, ReplayResult, replay
 from fuzz.shrink import shrink, signature
-from spec.config import PROFILES
+from spec.config import PROFILES, resolve
 from spec.formats import Trace
 from spec.rules import HITS, all_rules
 
@@ -106,6 +107,27 @@ def trace_profile(profile: str | None, k: int) -> str | None:
         return None
     others = sorted(p for p in PROFILES if p != "vllm-v1")
     return others[(k // 4 * 2 + k % 4 - 2) % len(others)]
+
+
+#: Traces ``k`` with ``k % 4`` in these are steered towards an interaction (fuzz.pairs) instead of a
+#: rule family: half the campaign (k % 4 == 0 stays unsteered, k % 4 == 1 targets rule families).
+INTERACTION_SLOTS = (2, 3)
+
+
+def interaction_target(targets: list[str], index: int) -> str | None:
+    """The interaction trace ``index`` is steered towards, or None (not an interaction slot,
+    or nothing to target): the ``targets`` (least met first, :func:`interaction_targets`) in turn."""
+    if not targets or index % 4 not in INTERACTION_SLOTS:
+        return None
+    return targets[(index // 4 * 2 + index % 4 - INTERACTION_SLOTS[0]) % len(targets)]
+
+
+def interaction_targets(reachable: list[str], met: dict[str, int]) -> list[str]:
+    """The reachable interactions to steer towards in the next round: those not met yet, else all of
+    them, least met first (ties in :data:`fuzz.pairs.INTERACTIONS` order) — interaction bugs need
+    the interaction met many times, with different details, not once."""
+    unmet = [name for name in reachable if not met.get(name)]
+    return unmet or sorted(reachable, key=lambda name: met.get(name, 0))
 
 
 def steer(uncovered: list[str], index: int, profile: str | None = None) -> dict[str, Any]:
@@ -152,6 +174,8 @@ class Outcome:
     outside: str | None = None  # why the trace was outside the engine's envelope (not run)
     triage: dict | None = None  # a shrunk finding's automatic triage (fuzz.triage.classify)
     detail: str = ""  # the engine's traceback, or its livelock's cycle, for the report
+    pairs: list[str] = field(default_factory=list)  # automatic rule pairs the spec's run showed (fuzz.pairs)
+    interactions: list[str] = field(default_factory=list)  # curated interactions it met (fuzz.pairs.INTERACTIONS)
 
 
 SHRINK_SECONDS = 120.0  # cap on shrinking one finding (the replay budget is the deterministic bound)
@@ -190,6 +214,7 @@ def _run_task(task: Task, on_detect: OnDetect | None) -> Outcome:
         return Outcome(task.index, task.seed, task.options, outside=f"the engine refuses it: {e}")
     rules = sorted(HITS)
     out = Outcome(task.index, task.seed, task.options, rules, len(result.spec_records), original_requests=len(trace.requests))
+    out.pairs, out.interactions = trace_pairs(result.spec_records, resolve(trace.config).max_num_batched_tokens)
     if not result.agreed:
         sig = signature(result.divergence)
         out.signature = out.raw_signature = sig
@@ -553,6 +578,9 @@ class CampaignState:
     outside_envelope: int = 0  # traces drawn outside it, not run (0 unless a knob draw escaped it)
     raw_groups: dict[str, str] = field(default_factory=dict)  # raw signature slug -> its group (finding)
     first_finding: dict | None = None  # {"seconds", "traces", "trace"}: when the first finding was saved
+    pairs: list[str] = field(default_factory=list)  # automatic rule pairs seen (fuzz.pairs.automatic_pairs)
+    interactions: dict[str, int] = field(default_factory=dict)  # curated interaction -> traces that met it
+    reachable_interactions: list[str] = field(default_factory=list)  # the interactions the envelope can meet
     profile: str | None = None  # the options the state belongs to (checked on --resume)
     knobs: dict[str, Any] = field(default_factory=dict)
     format: str = STATE_FORMAT
@@ -787,10 +815,11 @@ def _first_traces(cfg: CampaignConfig, envelope) -> Trace:
     from spec.config import resolve
 
     rule_ids = sorted(r.id for r in all_rules().values() if r.fires)
+    targets = reachable_interactions(envelope, cfg.profile if cfg.profile != ALL_PROFILES else None, cfg.knobs)
     i, n = cfg.shard
     first = None
     for k in range(2 * (len(PROFILES) + 2)):
-        options = trace_options(cfg, k, rule_ids, envelope)
+        options = trace_options(cfg, k, rule_ids, envelope, targets)
         option = "--set" if cfg.knobs else "--profile"
         try:
             trace = random_trace(trace_seed(cfg.seed, k * n + i), **{"max_steps": MAX_STEPS, **options})
@@ -844,6 +873,8 @@ def run_campaign(cfg: CampaignConfig, on_round: Callable[[CampaignState, list[Ou
     rule_ids = sorted(r.id for r in all_rules().values() if r.fires)
     envelope = campaign_envelope(cfg)
     state.envelope = envelope.describe()
+    profile = cfg.profile if cfg.profile != ALL_PROFILES else None
+    state.reachable_interactions = reachable_interactions(envelope, profile, cfg.knobs)
     if cfg.resume:
         complete_reports(cfg, state, envelope)
     runner = _ray_runner(cfg.ray) if cfg.ray else None
@@ -1128,10 +1159,17 @@ def campaign_envelope(cfg: CampaignConfig):
     return envelope
 
 
-def trace_options(cfg: CampaignConfig, k: int, uncovered: list[str], envelope) -> dict[str, Any]:
+def trace_options(cfg: CampaignConfig, k: int, uncovered: list[str], envelope,
+                  interactions: list[str] | None = None) -> dict[str, Any]:
     """Generator options for trace ``k``: steering, the envelope's knob draws, then ``--set``.
     Under a declared envelope a profile outside it is not drawn (the envelope's own draw
-    instead), and steering never asks for a knob value outside it."""
+    instead), and steering never asks for a knob value outside it.
+
+    ``interactions``: the interactions to steer towards (:func:`interaction_targets`); a trace
+    in an interaction slot (:func:`interaction_target`) takes that interaction's options
+    instead of a rule family's, and its knobs win over the envelope's rotation (which would
+    otherwise draw, say, ``policy=priority`` in one trace of five) — never over ``--set``,
+    a fixed profile, or the envelope itself."""
     from fuzz.generate import _KNOBS
 
     profile = trace_profile(cfg.profile, k)
@@ -1139,17 +1177,24 @@ def trace_options(cfg: CampaignConfig, k: int, uncovered: list[str], envelope) -
         profile = None
     if profile is not None and cfg.profile == ALL_PROFILES and not _profile_takes(profile, cfg.knobs):
         profile = None  # a rotated profile that --set contradicts (tgi under async): the default family instead
-    options = steer(uncovered, k, profile)
     fixed = set(cfg.knobs) | (set(profile_knobs(profile)) if profile else set())
+    target = interaction_target(interactions or [], k)
+    pinned: dict[str, Any] = {}
+    if target is not None:
+        options = {key: v for key, v in INTERACTION_BY_NAME[target].steer.items() if key not in fixed}
+        options = {**options, "interaction": target, **({"profile": profile} if profile else {})}
+        pinned = {key: v for key, v in options.items() if key in _KNOBS and (envelope.everything or envelope.allows(key, v))}
+    else:
+        options = steer(uncovered, k, profile)
     if envelope.everything:
-        return _valid(cfg, k, envelope, fixed, _pin_required(cfg.knobs, {**options, **cfg.knobs}))
+        return _valid(cfg, k, envelope, fixed | set(pinned), _pin_required(cfg.knobs, {**options, **cfg.knobs}))
     options = {key: v for key, v in options.items() if key not in _KNOBS or envelope.allows(key, v)}
     # under --profile all, the family traces (k % 4 in {0, 1}) take consecutive rotation slots: coverage
     slot = (k // 4) * 2 + k % 4 if cfg.profile == ALL_PROFILES and k % 4 < 2 else k
-    drawn = envelope.options(slot, cfg.seed, fixed=fixed)
+    drawn = envelope.options(slot, cfg.seed, fixed=fixed | set(pinned))
     if profile:
         drawn["profile"] = profile
-    return _valid(cfg, k, envelope, fixed, _pin_required(cfg.knobs, {**options, **drawn, **cfg.knobs}))
+    return _valid(cfg, k, envelope, fixed | set(pinned), _pin_required(cfg.knobs, {**options, **drawn, **pinned, **cfg.knobs}))
 
 
 def _valid(cfg: CampaignConfig, k: int, envelope, fixed: set[str], options: dict[str, Any]) -> dict[str, Any]:
@@ -1205,13 +1250,14 @@ def _round_tasks(cfg: CampaignConfig, state: CampaignState, all_rules: list[str]
     envelope = envelope or UNDECLARED
     i, n = cfg.shard
     uncovered = [r for r in all_rules if r not in set(state.covered)]
+    targets = interaction_targets(state.reachable_interactions, state.interactions)
     budget = ROUND if cfg.traces is None else min(ROUND, cfg.traces - state.traces)
     known = tuple(tuple(raw.split("|")) for raw in state.raw_groups)
     tasks = []
     for k in range(state.next_round * ROUND, state.next_round * ROUND + budget):
         index = k * n + i
-        tasks.append(Task(index, trace_seed(cfg.seed, index), trace_options(cfg, k, uncovered, envelope), cfg.engine, cfg.level,
-                          cfg.shrink_tries, envelope, known))
+        tasks.append(Task(index, trace_seed(cfg.seed, index), trace_options(cfg, k, uncovered, envelope, targets),
+                          cfg.engine, cfg.level, cfg.shrink_tries, envelope, known))
     return tasks
 
 
@@ -1226,7 +1272,7 @@ def _merge(cfg: CampaignConfig, state: CampaignState, outcomes: list[Outcome], l
 
     live = live or _Round(cfg, state, time.monotonic())
     limit = finding_limit(cfg)
-    covered = set(state.covered)
+    covered, pairs = set(state.covered), set(state.pairs)
     for o in outcomes:  # in trace order: deterministic
         if limit is not None and len(state.findings) >= limit:
             break
@@ -1236,6 +1282,9 @@ def _merge(cfg: CampaignConfig, state: CampaignState, outcomes: list[Outcome], l
         state.traces += 1
         state.steps += o.steps
         covered.update(o.rules)
+        pairs.update(o.pairs)
+        for name in o.interactions:
+            state.interactions[name] = state.interactions.get(name, 0) + 1
         if o.error and o.signature is None:
             state.errors += 1
             state.first_error = state.first_error or f"trace {o.index} (seed {o.seed}, options {o.options}): {o.error}"
@@ -1266,6 +1315,7 @@ def _merge(cfg: CampaignConfig, state: CampaignState, outcomes: list[Outcome], l
             entry["error"] = o.error
         record_hits(cfg.corpus, name, tuple(entry["signature"]), 1)  # (save_finding counts the ones it saves)
     state.covered = sorted(covered)
+    state.pairs = sorted(pairs)
     for name in live.saved - set(state.findings):  # saved early from an outcome the limit cut off
         _remove_finding(cfg, name)
 

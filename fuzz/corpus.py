@@ -274,9 +274,10 @@ def group_signature(result: ReplayResult) -> Signature:
     with the *cause-first* field of the divergent step (:data:`CAUSE_ORDER`) and the spec's rule for
     it — a wrong victim shows as ``preempted`` / ``PREEMPT.VICTIM_NEWEST`` whether the request it
     leaves running was decoding or prefilling (``RUN.DECODE`` / ``RUN.PREFILL_CHUNK`` in ``scheduled``).
-    A memory-only divergence keeps its field, without a rule: the spec's rule for the request
-    involved says what the request did in that step (``ADMIT.NEW``, ``RUN.PREFILL_CHUNK``), which is
-    as incidental to a block-accounting bug as its id."""
+    A memory-only divergence keeps its field, with the rule of the step's memory event behind the
+    spec's value (:func:`fuzz.diff.memory_rule`: a preemption's release, an abort, a prefix hit, an
+    allocation), not the rule for what the request involved did in that step (``ADMIT.NEW``,
+    ``RUN.PREFILL_CHUNK``), which is as incidental to a block-accounting bug as its id."""
     from fuzz.diff import DECISION, _involved, _value, spec_reason
     from fuzz.shrink import signature
     from spec.formats import StepRecord, fields_at
@@ -304,8 +305,11 @@ def group_signature(result: ReplayResult) -> Signature:
         if name in _CAUSE_FAMILIES:  # only a rule that decides this field names it (else "-", not an unrelated one)
             return (div.kind, name, _cause_rule(spec, request, name) or "-")
         return (div.kind, name, spec_reason(spec, request, name)[0] or "-")
-    if div.field in _MEMORY_FIELDS:
-        return (div.kind, div.field, "-")
+    if div.field in _MEMORY_FIELDS:  # the memory event behind the spec's value (fuzz.diff.memory_rule)
+        from fuzz.diff import memory_rule
+
+        history = [r for r in result.spec_records if r.step < div.step]
+        return (div.kind, div.field, memory_rule(div.field, spec, eng, div.request, history)[0] or "-")
     return signature(div)
 
 

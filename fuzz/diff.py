@@ -195,6 +195,8 @@ def _state_divergence(step: int, s: StepRecord | None, e: StepRecord | None, lev
             rule, text = (cited.get("rule"), cited.get("text")) if cited else (None, None)
         if rule is None or not rule.startswith(families):
             rule, text = STATE_RULES[name], f"the spec's {name} after step {step} (no reason of this rule recorded)"
+        if name == "computed" and request in _hit_admissions(s):  # its computed tokens start after the hit
+            rule, text = "CACHE.HIT", f"{request} was admitted with a prefix hit of {s.cache_hits[request]} tokens"
         return Divergence(step, name, _plain(a), _plain(b), request, rule, text, DECISION, engine, context)
     return None
 
@@ -218,6 +220,117 @@ _FAMILIES = {
     "drafts": ("SPEC.", "RUN.", "ADMIT.", "BUDGET."),
     "accepted": ("SPEC.ACCEPT", "SPEC.ROLLBACK"),
 }
+
+
+# -- the rule behind a memory value (issue 18 item 3) ------------------------------------------------
+#
+# A block-accounting field (free blocks, blocks held, block ids, evictions, CPU blocks) is not decided
+# by the rule the step's reasons cite for the request involved (``RUN.DECODE``, ``ADMIT.NEW``: what the
+# request did, incidental to an accounting bug): it is the sum of the step's memory events, each
+# defined by its own rule.  :func:`memory_rule` names the event that explains the spec's value.
+
+
+def _preempt_rule(record: StepRecord, request: str) -> str:
+    """How the spec preempted ``request`` at this step: swapped out, retracted, or recomputed."""
+    if request in record.swapped_out:
+        return "SWAP.OUT"
+    mine = [str(r.get("rule", "")) for r in record.reasons or () if r.get("request") == request]
+    return "RETRACT.TO_TAIL" if any(r.startswith("RETRACT.") for r in mine) else "PREEMPT.RECOMPUTE"
+
+
+def _hit_admissions(record: StepRecord) -> list[str]:
+    return [rid for rid in list(record.new) + list(record.resumed) if (record.cache_hits or {}).get(rid, 0) > 0]
+
+
+def _last_release(history: list[StepRecord], block: int) -> tuple[str, str] | None:
+    """``(request, rule)`` of the last event before now that released ``block`` to the free queue
+    (a preemption, retraction, abort or finish of a request that held it), from the spec's records."""
+    held_by: dict[int, str] = {}
+    last = None
+    for rec in history:
+        gone = set(rec.preempted) | set(rec.aborted) | {r for r, _ in rec.finished}
+        for rid in gone:
+            if held_by.get(block) == rid:
+                last = (rid, _preempt_rule(rec, rid) if rid in rec.preempted else
+                        "ABORT.FREE" if rid in rec.aborted else "KV.FREE_ORDER")
+        held_by = {b: rid for rid, ids in (rec.block_ids or {}).items() for b in ids}
+    return last
+
+
+def _was_swapped(history: list[StepRecord], request: str) -> bool:
+    swapped = False
+    for rec in history:
+        if request in rec.swapped_out:
+            swapped = True
+        if request in rec.swapped_in:
+            swapped = False
+    return swapped
+
+
+def memory_rule(name: str, spec: StepRecord | None, engine: StepRecord | None, request: str | None,
+                history: list[StepRecord] = ()) -> tuple[str | None, str | None, str | None]:
+    """``(rule, request, why)``: the spec rule behind the spec's value of memory field ``name`` at this
+    step — the event of the step that moves that figure — or ``(None, request, None)`` for a field
+    that is not about memory.  ``history``: the spec's records before this step (for an eviction,
+    the release that left the block cached; for CPU blocks, whether an aborted request was swapped).
+
+    * ``blocks`` / ``block_ids`` of a request admitted with a prefix hit: ``CACHE.HIT``; of another
+      request: ``KV.NO_FREE_BLOCKS`` (how many blocks an allocation takes) for a count, ``KV.FREE_ORDER``
+      (which blocks the free queue hands out) for ids;
+    * ``num_free_blocks`` when every request's block count agrees: the step's releases — a preemption
+      (``PREEMPT.RECOMPUTE``, ``SWAP.OUT``, ``RETRACT.TO_TAIL``), an abort (``ABORT.FREE``), a prefix
+      hit taking blocks off the free queue (``CACHE.TOUCH``), a finish (``KV.FREE_ORDER``) — else the
+      allocation (``KV.NO_FREE_BLOCKS``);
+    * ``num_evicted`` / ``evicted``: ``RETRACT.TO_TAIL`` when the block was left cached by a
+      retraction (its prefix stays cached until popped), else ``CACHE.EVICT_LRU``;
+    * ``num_free_cpu_blocks``: an abort of a swapped-out request (``ABORT.FREE``), else the step's swap
+      out or in; ``cache_hits``: ``CACHE.HIT``; ``new_token_ratio``: ``ESTIMATE.RATIO``."""
+    if name not in _MEMORY_FIELDS or spec is None:
+        return None, request, None
+    history = list(history)
+    hit = set(_hit_admissions(spec))
+    if name == "cache_hits":
+        return "CACHE.HIT", request, None
+    if name == "new_token_ratio":
+        return "ESTIMATE.RATIO", request, None
+    if name in ("blocks", "block_ids"):
+        if request in hit:
+            return "CACHE.HIT", request, f"{request} was admitted with a prefix hit"
+        return ("KV.NO_FREE_BLOCKS" if name == "blocks" else "KV.FREE_ORDER"), request, None
+    if name == "num_free_blocks":
+        counts_agree = engine is None or (spec.blocks or {}) == (engine.blocks or {})
+        if not counts_agree:  # an allocation differs: the first request whose count differs
+            who = _involved("blocks", spec.blocks or {}, engine.blocks or {})
+            return ("CACHE.HIT" if who in hit else "KV.NO_FREE_BLOCKS"), who, "its block count differs too"
+        if spec.preempted:
+            who = spec.preempted[0]
+            return _preempt_rule(spec, who), who, f"{who} was preempted in this step and released its blocks"
+        if spec.aborted:
+            return "ABORT.FREE", spec.aborted[0], f"{spec.aborted[0]} was aborted in this step"
+        if hit:
+            who = sorted(hit)[0]
+            return "CACHE.TOUCH", who, f"{who}'s prefix hit took blocks off the free queue"
+        if spec.finished:
+            return "KV.FREE_ORDER", spec.finished[0][0], f"{spec.finished[0][0]} finished and released its blocks"
+        return "KV.NO_FREE_BLOCKS", request, None
+    if name in ("num_evicted", "evicted"):
+        ours, theirs = list(spec.evicted or []), list((engine.evicted if engine else None) or [])
+        odd = [b for b in ours if b not in theirs] + [b for b in theirs if b not in ours]
+        released = _last_release(history, odd[0]) if odd and history else None
+        if released and released[1] == "RETRACT.TO_TAIL":
+            return "RETRACT.TO_TAIL", released[0], f"block {odd[0]} was left cached when {released[0]} was retracted"
+        return "CACHE.EVICT_LRU", request, None
+    if name == "num_free_cpu_blocks":
+        # (without the history — a lock-step diff sees one step — an abort is the likeliest release)
+        gone = [rid for rid in spec.aborted if not history or _was_swapped(history, rid)]
+        if gone:
+            return "ABORT.FREE", gone[0], f"{gone[0]} was aborted while swapped out"
+        if spec.swapped_out:
+            return "SWAP.OUT", spec.swapped_out[0], None
+        if spec.swapped_in:
+            return "SWAP.IN", spec.swapped_in[0], None
+        return "SWAP.OUT", request, None
+    return None, request, None
 
 
 def spec_reason(record: StepRecord | None, request: str | None, field_name: str = "") -> tuple[str | None, str | None, list[dict]]:
@@ -269,6 +382,12 @@ def first_divergence(spec_records: Iterable[StepRecord], engine_records: Iterabl
             else:
                 request = _involved(name, a, b)
             rule, text, context = spec_reason(s, request, name)
+            if name in _MEMORY_FIELDS:  # the memory event behind the value, not what the request did
+                history = [by_spec[k] for k in sorted(by_spec) if k < step]
+                cause, who, why = memory_rule(name, s, e, request, history)
+                if cause is not None:
+                    rule, request = cause, who if who is not None else request
+                    text = why or f"the spec's {name} after step {step}"
             return Divergence(step, name, a, b, request, rule, text, DECISION, engine, context)
         state = _state_divergence(step, s, e, level, engine)
         if state is not None:

@@ -82,7 +82,7 @@ MAX_PROMPT = 80
 _KNOBS = {f.name for f in fields(SchedulerConfig)} - {"profile"}
 #: Generator switches accepted by :func:`random_trace` besides the knobs.
 SWITCHES = ("n_requests", "aborts", "stop_tokens", "eos", "prefix_groups", "rejections", "tight_memory", "clones", "stress",
-            "tenants", "slo", "request_features")
+            "tenants", "slo", "request_features", "interaction")
 #: Extreme corners a ``stress`` trace takes one to three of.
 STRESS = ("vocab", "block", "budget", "many", "short", "watermark")
 
@@ -303,7 +303,9 @@ def random_trace(seed: int, **options: Any) -> Trace:
     generator switches :data:`SWITCHES`: ``n_requests`` (int), and
     ``aborts``, ``stop_tokens``, ``eos``, ``prefix_groups``, ``rejections``,
     ``tight_memory``, ``clones``, ``stress`` (bool: force the feature on or off),
-    ``tenants`` (int: that many tenants; drawn anyway under ``policy="vtc"``).
+    ``tenants`` (int: that many tenants; drawn anyway under ``policy="vtc"``), ``interaction``
+    (str: a curated interaction of :data:`fuzz.pairs.INTERACTIONS`; the drawn trace is then
+    reworked towards it by :func:`fuzz.pairs.shape_trace`, e.g. an abort timed into a swap-out).
     A ``stress`` trace also takes one to three of the extreme corners :data:`STRESS`.
 
     ``profile`` (a name in :data:`spec.config.PROFILES`) draws the trace as usual,
@@ -393,8 +395,13 @@ def random_trace(seed: int, **options: Any) -> Trace:
     if profile is not None:  # the header names the profile and only the knobs that differ from it
         base = PROFILES[profile].config
         cfg = {k: v for k, v in cfg.items() if k == "profile" or k in SIZES or v != getattr(base, k)}
-    return Trace(config=cfg, requests=requests, vocab_size=vocab, eos_token_id=eos,
-                 name=f"random-{seed}", description=f"fuzz.generate.random_trace({seed})")
+    trace = Trace(config=cfg, requests=requests, vocab_size=vocab, eos_token_id=eos,
+                  name=f"random-{seed}", description=f"fuzz.generate.random_trace({seed})")
+    if options.get("interaction"):  # steering towards two mechanisms at once (issue 18 item 2)
+        from fuzz.pairs import shape_trace
+
+        trace = shape_trace(trace, options["interaction"], seed)
+    return trace
 
 
 def _uses_slo(cfg: dict[str, Any]) -> bool:

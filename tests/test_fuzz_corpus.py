@@ -142,10 +142,15 @@ def test_the_group_signature_names_the_cause_first_field():
     assert C.group_signature(result) == ("decision", "preempted", "PREEMPT.VICTIM_NEWEST")
     memory = ReplayResult(trace, "e", "memory", [StepRecord(5, num_free_blocks=3)], [StepRecord(5, num_free_blocks=4)],
                           Divergence(5, "num_free_blocks", 4, 3))
-    assert C.group_signature(memory) == ("decision", "num_free_blocks", "-")
+    # a memory divergence names the memory event behind the spec's value (an allocation here), not a request's role
+    assert C.group_signature(memory) == ("decision", "num_free_blocks", "KV.NO_FREE_BLOCKS")
     ids = ReplayResult(trace, "e", "exact", [StepRecord(5, block_ids={"A": [2]})], [StepRecord(5, block_ids={"A": [1]})],
                        Divergence(5, "block_ids", {"A": [1]}, {"A": [2]}, "A", "RUN.PREFILL_CHUNK"))
-    assert C.group_signature(ids) == ("decision", "block_ids", "-"), "the request's role is incidental to a block bug"
+    assert C.group_signature(ids) == ("decision", "block_ids", "KV.FREE_ORDER"), "the request's role is incidental to a block bug"
+    preempting = ReplayResult(trace, "e", "memory", [StepRecord(5, preempted=["B"], num_free_blocks=3, blocks={"A": 1})],
+                              [StepRecord(5, preempted=["B"], num_free_blocks=4, blocks={"A": 1})],
+                              Divergence(5, "num_free_blocks", 4, 3))
+    assert C.group_signature(preempting) == ("decision", "num_free_blocks", "PREEMPT.RECOMPUTE")
     early = ReplayResult(trace, "e", "decisions", [StepRecord(5, finished=[("A", "max_tokens")])], [StepRecord(5)],
                          Divergence(5, "finished", [], [["A", "max_tokens"]], "A"))
     assert C.group_signature(early) == ("decision", "finished", "STOP.LENGTH"), "the engine's stop reason, mapped"

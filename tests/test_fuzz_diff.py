@@ -259,10 +259,10 @@ def test_a_late_cache_registration_is_named_at_the_registration(monkeypatch):
 
     original = Scheduler._cache_blocks
 
-    def second_block_late(self, slots, upto_tokens):  # a request's second block is cached a step late
+    def second_block_late(self, slots, upto_tokens, full=None):  # a request's second block is cached a step late
         upto = upto_tokens.copy() if hasattr(upto_tokens, "copy") else upto_tokens.clone()
         upto[(upto // self.bs) == 2] = self.bs
-        original(self, slots, upto)
+        original(self, slots, upto)  # (full: recounted from the changed upto)
 
     trace = _first_seed(lambda rs: any(1 in ordinals for r in rs for ordinals in (r.cache_registered or {}).values()),
                         profile="vllm-v1", prefix_groups=True)

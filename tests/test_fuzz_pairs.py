@@ -1,0 +1,140 @@
+"""Interaction coverage (issue 18 item 2) and reports that name the rule at fault (item 3).
+
+Pairs and interactions are read from the spec's own step records (fuzz/pairs.py); the campaign
+steers a share of its traces towards the interactions it met least; a memory divergence names the
+memory event behind the spec's value (fuzz.diff.memory_rule)."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from fuzz import pairs as P
+from spec.formats import StepRecord
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def reason(rule, request=None):
+    out = {"rule": rule, "text": "-"}
+    if request is not None:
+        out["request"] = request
+    return out
+
+
+def hand_made() -> list[StepRecord]:
+    """A: admitted with a hit on B's prefix block 1 (shared), preempted while sharing it, aborted
+    while waiting; C: swapped out, aborted while swapped; one step spends the whole budget of 4."""
+    return [
+        StepRecord(0, scheduled=[("B", 4)], new=["B"], block_ids={"B": [1, 2]}, cache_hits={"B": 0},
+                   reasons=[reason("ADMIT.NEW", "B")]),
+        StepRecord(1, scheduled=[("B", 1), ("A", 3)], new=["A"], cache_hits={"A": 4}, block_ids={"B": [1, 2], "A": [1, 3]},
+                   reasons=[reason("RUN.DECODE", "B"), reason("ADMIT.NEW", "A")]),
+        StepRecord(2, scheduled=[("B", 1)], preempted=["A", "C"], swapped_out=["C"], num_evicted=1,
+                   block_ids={"B": [1, 2]},
+                   reasons=[reason("RUN.DECODE", "B"), reason("PREEMPT.VICTIM_NEWEST", "A"), reason("SWAP.OUT", "C")]),
+        StepRecord(3, aborted=["A", "C"], scheduled=[("B", 1)], block_ids={"B": [1, 2]},
+                   reasons=[reason("ABORT.FREE", "A"), reason("ABORT.FREE", "C"), reason("RUN.DECODE", "B")]),
+    ]
+
+
+def test_facts_carry_the_states_a_request_is_in_across_steps():
+    facts = P.step_facts(hand_made(), budget=4)
+    assert "STATE.BUDGET_SPENT" in facts[1].of(None) and "STATE.BUDGET_SPENT" not in facts[2].of(None)
+    assert "CACHE.HIT" in facts[1].of("A") and "CACHE.HIT" not in facts[0].of("B"), "a hit of 0 tokens is no hit"
+    assert "STATE.SHARED_BLOCKS" in facts[2].of("A"), "A entered step 2 holding block 1, which B holds too"
+    assert "STATE.SHARED_BLOCKS" not in facts[1].of("A"), "sharing is the state a step starts from"
+    assert "STATE.PREEMPTED" in facts[3].of("A") and "STATE.SWAPPED" in facts[3].of("C")
+    assert "CACHE.EVICT_LRU" in facts[2].of(None)
+
+
+def test_automatic_pairs_are_rule_pairs_of_one_step_or_one_life():
+    pairs = P.automatic_pairs(P.step_facts(hand_made(), budget=4))
+    assert "step:ADMIT.NEW+RUN.DECODE" in pairs  # step 1: B decodes while A is admitted
+    assert "life:ABORT.FREE+PREEMPT.VICTIM_NEWEST" in pairs  # A, steps 2 and 3
+    assert "step:ABORT.FREE+ADMIT.NEW" not in pairs, "never in one step"
+    assert not any("STATE." in p for p in pairs), "states are not rules"
+
+
+def test_the_curated_interactions_of_the_hand_made_trace():
+    met = set(P.interactions_met(P.step_facts(hand_made(), budget=4)))
+    assert {"preempt x shared-prefix", "abort x preempted", "abort x swapped"} <= met
+    assert "priority-preempt x spent-budget" not in met, "no priority victim"
+    assert "chunked-prefill x prefix-hit" not in met, "A's prefill was never continued in chunks"
+
+
+def test_a_shaped_trace_meets_its_interaction_and_stays_reproducible():
+    """random_trace(seed, interaction=NAME) is the same trace every time, and the abort it times
+    lands on a request that is swapped out at that step in the spec's own run."""
+    from fuzz.generate import random_trace
+    from spec.config import resolve
+
+    opts = dict(interaction="abort x swapped", tight_memory=True, preemption_mode="swap", num_cpu_blocks=256,
+                n_requests=6, watermark=0.0, scheduler_reserve_full_isl=False)
+    met = 0
+    for seed in range(6):
+        trace = random_trace(seed, **opts)
+        assert trace == random_trace(seed, **opts)
+        facts = P._spec_facts(trace)
+        met += "abort x swapped" in P.interactions_met(facts)
+        assert resolve(trace.config).preemption_mode == "swap"
+    assert met >= 4, f"only {met}/6 shaped traces met it"
+
+
+def test_steering_raises_interaction_coverage_at_equal_budget(tmp_path, monkeypatch):
+    """The same seed and trace budget, with and without interaction steering: steering meets the
+    curated interactions in more traces (spec vs spec: fast, deterministic)."""
+    import fuzz.campaign as C
+
+    def run(name):
+        return C.run_campaign(C.CampaignConfig(seed=3, engine="spec", traces=48, workers=1, corpus=str(tmp_path / name)))
+
+    steered = run("steered")
+    monkeypatch.setattr(C, "interaction_target", lambda targets, index: None)
+    plain = run("plain")
+    assert steered.traces == plain.traces == 48
+    met = lambda s: len([n for n, c in s.interactions.items() if c])  # noqa: E731
+    assert met(steered) > met(plain) or (met(steered) == met(plain) == len(P.INTERACTIONS)
+                                         and sum(steered.interactions.values()) > sum(plain.interactions.values()))
+    assert sum(steered.interactions.values()) > sum(plain.interactions.values())
+    assert steered.pairs and set(steered.reachable_interactions) == {i.name for i in P.INTERACTIONS}
+
+
+def _mutation_score():
+    spec = importlib.util.spec_from_file_location("mutation_score", ROOT / "benchmarks" / "mutation_score.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("mutation_score", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_symptom_only_bug_is_reported_under_the_rule_at_fault():
+    """Aborting a swapped-out request without returning its CPU blocks shows only as a CPU block
+    count (a symptom); the report names ABORT.FREE, the rule the engine broke, not the swap."""
+    from fuzz.corpus import group_signature
+    from fuzz.generate import random_trace
+    from fuzz.replay import replay
+
+    ms = _mutation_score()
+    mutant = next(m for m in ms.MUTANTS if m.name == "abort_swapped_leaks_cpu")
+    trace = random_trace(0, interaction="abort x swapped", tight_memory=True, preemption_mode="swap",
+                         num_cpu_blocks=256, n_requests=6, watermark=0.0, scheduler_reserve_full_isl=False)
+    assert replay(trace, "gpu", "exact").agreed, "the shipped engine agrees"
+    with ms.planted(mutant):
+        result = replay(trace, "gpu", "exact", after=3)
+    assert not result.agreed and result.divergence.field == "num_free_cpu_blocks"
+    assert group_signature(result)[2] in ms.AT_FAULT["abort_swapped_leaks_cpu"] == ("ABORT.FREE",)
+    assert result.divergence.rule == "ABORT.FREE" and result.divergence.request in {r.id for r in trace.requests}
+
+
+@pytest.mark.parametrize("name", ["shared_prefix_freed_on_preempt", "victim_tokens_not_returned",
+                                  "abort_preempted_left_queued", "abort_swapped_leaks_cpu",
+                                  "chunk_after_hit_off_by_one", "retraction_drops_prefix"])
+def test_every_interaction_mutant_is_planted_and_lives_in_a_curated_interaction(name):
+    ms = _mutation_score()
+    mutant = next(m for m in ms.MUTANTS if m.name == name)
+    assert mutant.interaction in P.BY_NAME and name in ms.AT_FAULT
+    with ms.planted(mutant):  # its patch still applies to gpu_engine's source (PlantError otherwise)
+        pass
