@@ -601,7 +601,8 @@ def check(out_dir: str, rates: list[float], requests: int = 160, trace_path: str
 def report(out_dir: str, calibrate_rate: float | None = None, say=print) -> dict[str, Any]:
     """Decisions, calibration and predictions from what :func:`check` saved in ``out_dir``;
     writes ``OUT/report.md`` and ``OUT/report.json``."""
-    from fuzz.calibrate import fit
+    from fuzz.calibrate import fit, write_rows
+    from spec.io import write_trace
 
     out = Path(out_dir)
     run = json.loads((out / "run.json").read_text())
@@ -620,6 +621,10 @@ def report(out_dir: str, calibrate_rate: float | None = None, say=print) -> dict
     fitted = fit(rows, name=f"vllm-cpu-tiny@{cal_rate:g}", source=f"fitted to {len(rows)} steps of the {cal_rate:g}/s run",
                  prefill_step=True)
     cost = fitted.model
+    # the same inputs for the CLI: batchspec calibrate rows-R.json --prefill-step; batchspec simulate trace-R.jsonl
+    write_rows(rows, str(out / f"rows-{cal_rate:g}.json"))
+    for rate, (reqs, _) in loads.items():
+        write_trace(as_timed_trace(reqs, session.knobs), out / f"trace-{rate:g}.jsonl")
     offset = front_end_latency(session, cal_res)
     say(f"cost model from the {cal_rate:g}/s run ({fitted.rows} steps, R^2 {fitted.r_squared:.3f}): "
         f"{json.dumps(cost.to_json())}; front-end latency {offset * 1e3:.1f} ms")
