@@ -282,7 +282,7 @@ def _retraction_drops_prefix():
     orig = Scheduler._preempt
 
     def _preempt(self, victims, batch):
-        if self.estimate and self.caching:  # BUG: a retracted request's own cached blocks leave the cache map
+        if self.estimate and self.caching and not self.swap:  # BUG: a retracted request's own cached blocks leave the cache map
             held = self.num_blocks[victims]
             rows, cols = self._table_entries(victims, held, held * 0)
             blocks = self.block_table[rows, cols]

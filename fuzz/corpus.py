@@ -278,7 +278,7 @@ def group_signature(result: ReplayResult) -> Signature:
     spec's value (:func:`fuzz.diff.memory_rule`: a preemption's release, an abort, a prefix hit, an
     allocation), not the rule for what the request involved did in that step (``ADMIT.NEW``,
     ``RUN.PREFILL_CHUNK``), which is as incidental to a block-accounting bug as its id."""
-    from fuzz.diff import DECISION, _involved, _value, spec_reason
+    from fuzz.diff import DECISION, _involved, _value, budget_giveback_rule, ghost, spec_reason
     from fuzz.shrink import signature
     from spec.formats import StepRecord, fields_at
 
@@ -289,6 +289,9 @@ def group_signature(result: ReplayResult) -> Signature:
     spec = next((r for r in result.spec_records if r.step == div.step), None)
     eng = next((r for r in result.engine_records if r.step == div.step), None)
     compared = set(fields_at(result.level))
+    late = ghost(spec, eng, [r for r in result.spec_records if r.step < div.step])
+    if late is not None and late[0] in compared:  # the engine runs a request the spec had ended
+        return (div.kind, late[0], late[2])
     for name in CAUSE_ORDER:
         if name not in compared:
             continue
@@ -304,7 +307,8 @@ def group_signature(result: ReplayResult) -> Signature:
             return (div.kind, name, _cause_rule(spec, request, name) or _stop_rule(eng, request) or "-")
         if name in _CAUSE_FAMILIES:  # only a rule that decides this field names it (else "-", not an unrelated one)
             return (div.kind, name, _cause_rule(spec, request, name) or "-")
-        return (div.kind, name, spec_reason(spec, request, name)[0] or "-")
+        giveback = budget_giveback_rule(spec, request)  # the budget this request got came from a victim's tokens
+        return (div.kind, name, giveback[0] if giveback else spec_reason(spec, request, name)[0] or "-")
     if div.field in _MEMORY_FIELDS:  # the memory event behind the spec's value (fuzz.diff.memory_rule)
         from fuzz.diff import memory_rule
 

@@ -316,7 +316,7 @@ def memory_rule(name: str, spec: StepRecord | None, engine: StepRecord | None, r
     if name in ("num_evicted", "evicted"):
         ours, theirs = list(spec.evicted or []), list((engine.evicted if engine else None) or [])
         odd = [b for b in ours if b not in theirs] + [b for b in theirs if b not in ours]
-        released = _last_release(history, odd[0]) if odd and history else None
+        released = _last_release(history + [spec], odd[0]) if odd and history else None  # (this step's too)
         if released and released[1] == "RETRACT.TO_TAIL":
             return "RETRACT.TO_TAIL", released[0], f"block {odd[0]} was left cached when {released[0]} was retracted"
         return "CACHE.EVICT_LRU", request, None
@@ -331,6 +331,60 @@ def memory_rule(name: str, spec: StepRecord | None, engine: StepRecord | None, r
             return "SWAP.IN", spec.swapped_in[0], None
         return "SWAP.OUT", request, None
     return None, request, None
+
+
+def ended_rule(history: Iterable[StepRecord], request: str | None) -> str | None:
+    """The spec rule that ended ``request`` before this step (it was aborted, rejected or finished in
+    the spec's ``history``), or None: an engine that still runs it broke that rule, whatever the
+    step's own reasons say about the requests it crowded out."""
+    for rec in history:
+        if request in rec.aborted:
+            return "ABORT.FREE"
+        for rid, why in list(rec.finished) + list(rec.rejected):
+            if rid == request:
+                mine = [str(r.get("rule")) for r in rec.reasons or () if r.get("request") == request
+                        and str(r.get("rule", "")).startswith(("STOP.", "REJECT."))]
+                return mine[0] if mine else None
+    return None
+
+
+def ghost(spec: StepRecord | None, engine: StepRecord | None, history: list[StepRecord]) -> tuple[str, str, str] | None:
+    """``(field, request, rule)`` for a request the engine runs at this step (scheduled, admitted or
+    resumed) that the spec had already ended (:func:`ended_rule`), or None."""
+    if engine is None or not history:
+        return None
+    mine = {r for r, _ in (spec.scheduled if spec else ())}
+    for name, ids in (("resumed", engine.resumed), ("new", engine.new), ("scheduled", [r for r, _ in engine.scheduled])):
+        for rid in ids:
+            rule = None if rid in mine else ended_rule(history, rid)
+            if rule is not None:
+                return name, rid, rule
+    return None
+
+
+#: Fields whose value for a request is the tokens (or the admission) the step's budget left it.
+_BUDGETED = ("scheduled", "new", "resumed")
+
+
+def budget_giveback_rule(record: StepRecord | None, request: str | None) -> tuple[str, str] | None:
+    """``(victim rule, victim)`` when the spec's tokens for ``request`` at this step came after a
+    victim scheduled earlier in the same step gave its tokens back to the budget: the step's
+    reasons show the victim served (``RUN.*``) and then preempted (its victim rule, whose statement
+    says its tokens are given back), before ``request`` got its own tokens.  The budget that
+    request was given is then the victim rule's doing (issue 18: a priority preemption in a step
+    whose budget is spent), not the request's own ``RUN.*`` / ``ADMIT.*`` rule."""
+    reasons = list((record.reasons if record else None) or [])
+    served: set[str] = set()
+    found = None
+    for r in reasons:
+        rule, rid = str(r.get("rule", "")), r.get("request")
+        if rid == request and found is not None and rule.startswith(("RUN.", "ADMIT.")):
+            return found
+        if rule.startswith(("RUN.DECODE", "RUN.PREFILL_CHUNK")):
+            served.add(rid)
+        elif rule.startswith(("PREEMPT.VICTIM_", "RETRACT.VICTIM_")) and rid in served and rid != request:
+            found = found or (rule, rid)
+    return None
 
 
 def spec_reason(record: StepRecord | None, request: str | None, field_name: str = "") -> tuple[str | None, str | None, list[dict]]:
@@ -382,8 +436,16 @@ def first_divergence(spec_records: Iterable[StepRecord], engine_records: Iterabl
             else:
                 request = _involved(name, a, b)
             rule, text, context = spec_reason(s, request, name)
+            history = [by_spec[k] for k in sorted(by_spec) if k < step]
+            late = ghost(s, e, history) if name in _BUDGETED else None
+            if late is not None:  # the engine runs a request the spec had ended: the rule that ended it
+                return Divergence(step, late[0], a if late[0] == name else _value(s_rec, late[0], s is None),
+                                  b if late[0] == name else _value(e_rec, late[0], e is None), late[1], late[2],
+                                  f"the spec ended {late[1]} before this step ({late[2]})", DECISION, engine, context)
+            giveback = budget_giveback_rule(s, request) if name in _BUDGETED else None
+            if giveback is not None:
+                rule, text = giveback[0], f"{giveback[1]} was preempted after it was scheduled in this step: its tokens went back to the budget"
             if name in _MEMORY_FIELDS:  # the memory event behind the value, not what the request did
-                history = [by_spec[k] for k in sorted(by_spec) if k < step]
                 cause, who, why = memory_rule(name, s, e, request, history)
                 if cause is not None:
                     rule, request = cause, who if who is not None else request

@@ -282,6 +282,7 @@ INTERACTIONS: tuple[Interaction, ...] = (
                 "cached blocks are evicted while a retracted request waits: its prefix stays cached until popped",
                 _same_step(("STATE.RETRACTED",), ("CACHE.EVICT_LRU",)),
                 {**_CACHING, **_PRESSURE, "admission": "estimate", "async_scheduling": False, "block_size": 4,
+                 "preemption_mode": "recompute",
                  "max_num_batched_tokens": 32, "enable_chunked_prefill": True},
                 {"admission": ("estimate",), "enable_prefix_caching": (True,)}),
     Interaction("resume x prefix-hit",

@@ -138,3 +138,26 @@ def test_every_interaction_mutant_is_planted_and_lives_in_a_curated_interaction(
     assert mutant.interaction in P.BY_NAME and name in ms.AT_FAULT
     with ms.planted(mutant):  # its patch still applies to gpu_engine's source (PlantError otherwise)
         pass
+
+
+def test_a_budget_given_back_by_a_victim_is_named_by_the_victim_rule():
+    from fuzz.diff import budget_giveback_rule
+
+    rec = StepRecord(4, scheduled=[("B", 3), ("C", 5)], preempted=["A"],
+                     reasons=[reason("RUN.DECODE", "A"), reason("RUN.PREFILL_CHUNK", "B"),
+                              reason("PREEMPT.VICTIM_LOWEST_PRIORITY", "A"), reason("RUN.PREFILL_CHUNK", "C")])
+    assert budget_giveback_rule(rec, "C") == ("PREEMPT.VICTIM_LOWEST_PRIORITY", "A")
+    assert budget_giveback_rule(rec, "B") is None, "B got its tokens before A gave any back"
+    unserved = StepRecord(4, reasons=[reason("PREEMPT.VICTIM_LOWEST_PRIORITY", "A"), reason("RUN.PREFILL_CHUNK", "C")])
+    assert budget_giveback_rule(unserved, "C") is None, "a victim not served in the step gives nothing back"
+
+
+def test_an_engine_running_a_request_the_spec_ended_is_named_by_the_rule_that_ended_it():
+    from fuzz.diff import first_divergence
+
+    spec = [StepRecord(3, aborted=["A"], scheduled=[("B", 1)], reasons=[reason("ABORT.FREE", "A"), reason("RUN.DECODE", "B")]),
+            StepRecord(4, scheduled=[("B", 1), ("C", 4)], new=["C"], reasons=[reason("ADMIT.NEW", "C")])]
+    eng = [StepRecord(3, aborted=["A"], scheduled=[("B", 1)]),
+           StepRecord(4, scheduled=[("B", 1), ("A", 4)], resumed=["A"])]
+    div = first_divergence(spec, eng, "decisions")
+    assert (div.field, div.request, div.rule) == ("resumed", "A", "ABORT.FREE"), div.describe()
