@@ -65,8 +65,8 @@ def decode_trace(num_running: int, steps: int) -> Trace:
 
 
 class GpuSide:
-    def __init__(self, trace, level):
-        self.engine = GpuEngine.from_trace(trace, level=level)
+    def __init__(self, trace, level, engine_class=GpuEngine):
+        self.engine = engine_class.from_trace(trace, level=level)
         be = self.engine.sched.be
         self.engine._synthesize = lambda batch: be.asarray(
             [TOKEN] * (len(batch.slots) if batch.all_sample else int(batch.samples.sum())))
@@ -180,6 +180,30 @@ class NanoSide:
         return all(s.num_tokens - s.num_cached_tokens == 1 for s in self.sched.running)
 
 
+def gpu_engine_at(rev: str):
+    """gpu_engine as committed at git revision ``rev``, importable beside the working tree's: its
+    files (``git show``, read only) in a temporary package ``gpu_engine_before``; returns its
+    ``GpuEngine``.  It uses the working tree's ``spec`` data formats, as the live one does."""
+    import importlib
+    import subprocess
+    import tempfile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tempfile.mkdtemp(prefix="bench-gpu-before-")
+    os.makedirs(os.path.join(out, "gpu_engine_before"))
+    names = subprocess.run(["git", "ls-tree", "--name-only", rev, "gpu_engine/"], cwd=root, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for name in names:
+        if name.endswith(".py"):
+            text = subprocess.run(["git", "show", f"{rev}:{name}"], cwd=root, capture_output=True, text=True,
+                                  check=True).stdout
+            text = text.replace("from gpu_engine", "from gpu_engine_before").replace("import gpu_engine", "import gpu_engine_before")
+            with open(os.path.join(out, "gpu_engine_before", os.path.basename(name)), "w") as f:
+                f.write(text)
+    sys.path.insert(0, out)
+    return importlib.import_module("gpu_engine_before").GpuEngine
+
+
 def measure(sides: dict, steps: int, rounds: int = 4) -> dict[str, list[float]]:
     """Warm every engine into steady decode, then time ``steps`` steps of each, in
     ``rounds`` alternating blocks (so drift and other load hit all engines alike,
@@ -205,8 +229,10 @@ def measure(sides: dict, steps: int, rounds: int = 4) -> dict[str, list[float]]:
 
 
 def overhead_table(sizes: list[int], steps: int = 40, vllm: bool = True, nano_vllm: str | None = None,
-                   out=print) -> dict[int, dict[str, float]]:
-    """Measure and print the overhead table; return ``{R: {engine: median ms}}``."""
+                   out=print, before: str | None = None) -> dict[int, dict[str, float]]:
+    """Measure and print the overhead table; return ``{R: {engine: median ms}}``.
+    ``before``: a git revision whose gpu_engine becomes a column too (``gpu_before``)."""
+    old = gpu_engine_at(before) if before else None
     have_vllm, why = False, "not installed in this interpreter"
     if vllm:
         try:
@@ -225,12 +251,17 @@ def overhead_table(sizes: list[int], steps: int = 40, vllm: bool = True, nano_vl
     out(f"# vllm: {'yes' if have_vllm else why}; nano-vllm: {nano_vllm if nano else nano_why}")
     out("# per-step time, median of interleaved steps (ms); ratios = other / gpu_engine(decisions)")
     head = ["R", "gpu_engine", "gpu(exact)", "spec", "spec/gpu", "nano-vllm", "nano/gpu", "vllm", "vllm/gpu"]
+    if old is not None:
+        out(f"# gpu_engine at {before}: column 'before' (its time / gpu_engine's now)")
+        head[2:2] = ["before", "before/gpu"]
     out("| " + " | ".join(head) + " |")
     out("|" + "---:|" * len(head))
     table = {}
     for r in sizes:
         trace = decode_trace(r, steps)
         sides = {"gpu": GpuSide(trace, "decisions"), "gpu_exact": GpuSide(trace, "exact"), "spec": SpecSide(trace)}
+        if old is not None:
+            sides["gpu_before"] = GpuSide(trace, "decisions", old)
         if nano is not None:
             sides["nano"] = NanoSide(trace, nano)
         if have_vllm:
@@ -247,7 +278,8 @@ def overhead_table(sizes: list[int], steps: int = 40, vllm: bool = True, nano_vl
             vl, ratio = f"({VLLM_QUOTED_MS_AT_256} quoted)", f"{VLLM_QUOTED_MS_AT_256 / g:.1f}x"
         else:
             vl = ratio = "n/a"
-        out(f"| {r} | {g:.3f} | {t['gpu_exact']:.3f} | {t['spec']:.3f} | {t['spec'] / g:.1f}x | {nv} | {nratio} "
+        was = f" {t['gpu_before']:.3f} | {t['gpu_before'] / g:.2f}x |" if old is not None else ""
+        out(f"| {r} | {g:.3f} |{was} {t['gpu_exact']:.3f} | {t['spec']:.3f} | {t['spec'] / g:.1f}x | {nv} | {nratio} "
             f"| {vl} | {ratio} |")
     return table
 
@@ -257,6 +289,7 @@ def main(argv=None) -> None:
     ap.add_argument("--sizes", default="16,64,256,1024")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--before", metavar="REV", help="also time gpu_engine as committed at this git revision")
     ap.add_argument("--nano-vllm", default=os.environ.get("NANO_VLLM"), metavar="PATH",
                     help="a nano-vllm checkout (default: $NANO_VLLM); its scheduler becomes a column")
     args = ap.parse_args(argv)
@@ -266,7 +299,7 @@ def main(argv=None) -> None:
     exe = os.path.relpath(sys.executable) if not os.path.relpath(sys.executable).startswith("..") else "python"
     print(f"# command: {' '.join([exe] + sys.argv)}")
     overhead_table([int(x) for x in args.sizes.split(",")], args.steps, not args.no_vllm, args.nano_vllm,
-                   out=lambda line: print(line, flush=True))
+                   out=lambda line: print(line, flush=True), before=args.before)
 
 
 if __name__ == "__main__":
