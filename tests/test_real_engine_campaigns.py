@@ -175,6 +175,11 @@ def test_a_divergence_one_knob_value_explains_is_triaged_deliberate_and_a_person
     triage = _group(tmp_path, name)["triage"]
     assert entry["triage"] == DELIBERATE and triage["knob"] == {"admit_after_preempt": True}
     assert triage["status"] == "candidate" and triage["by"] == "auto"  # not documented for this engine
+    group = _group(tmp_path, name)
+    del group["triage"]
+    (tmp_path / f"{name}.group.json").write_text(json.dumps(group))
+    assert main(["triage", str(tmp_path), "--auto"]) == 0  # again from the saved trace and log, no engine run
+    assert _group(tmp_path, name)["triage"]["knob"] == {"admit_after_preempt": True}
     assert main(["triage", str(tmp_path / f"{name}.jsonl"), "--class", "spec-wrong", "--why", "checked by hand",
                  "--source", "x.py:1"]) == 0
     triage = _group(tmp_path, name)["triage"]
@@ -182,3 +187,46 @@ def test_a_divergence_one_knob_value_explains_is_triaged_deliberate_and_a_person
     report = (tmp_path / f"{name}.md").read_text()
     assert report.count("## Triage") == 1 and "**spec-wrong** (confirmed, by human): checked by hand" in report
     assert main(["triage", str(tmp_path / f"{name}.jsonl"), "--class", "nonsense"]) == 2
+
+
+class DiesOnPreemption(SpecEngine):
+    """Its process dies when it has to preempt (a segfault in a kernel, an os._exit in a C extension)."""
+
+    name = "dies"
+
+    def step(self):
+        record = super().step()
+        if record.preempted:
+            os._exit(3)
+        return record
+
+
+register_engine("t21-dies", lambda t: DiesOnPreemption.from_trace(t))
+
+
+def test_a_worker_that_dies_leaves_a_replayable_trace_and_an_engine_bug_class(tmp_path):
+    from fuzz.generate import random_trace
+    from spec.io import load_trace
+
+    state = _campaign(tmp_path, "t21-dies", traces=32)
+    [(name, entry)] = state.findings.items()
+    assert entry["signature"] == ["crash", "engine", "-"] and entry["requests"] is None  # not shrunk
+    saved = load_trace(tmp_path / f"{name}.jsonl")
+    again = random_trace(entry["seed"], **{"max_steps": 3000, **entry["options"]})
+    assert [r.to_json() for r in saved.requests] == [r.to_json() for r in again.requests]  # the very trace
+    assert _group(tmp_path, name)["triage"]["class"] == ENGINE_BUG
+    assert "died" in (tmp_path / f"{name}.md").read_text()
+
+
+@pytest.mark.parametrize("name,start,period", [("vllm-self-preempt-livelock", 4, 6), ("vllm-stall-never-fits", 4, 1)])
+def test_vllms_own_recorded_livelocks_are_found_on_its_log(name, start, period):
+    """vLLM 0.32's logs of its two known livelocks (tests/corpus/vllm/): the cycle and its first step."""
+    from pathlib import Path
+
+    from spec.config import resolve
+    from spec.io import load_log, load_trace
+
+    corpus = Path(__file__).parent / "corpus"
+    trace = load_trace(corpus / f"{name}.jsonl")
+    cycle = find_livelock(load_log(corpus / "vllm" / f"{name}.log.jsonl").records, resolve(trace.config).max_steps)
+    assert cycle is not None and (cycle.start, cycle.period) == (start, period)
