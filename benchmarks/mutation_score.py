@@ -177,8 +177,8 @@ def _lone_request_capped():
     def fix(cap, self):
         return cap or self.config.long_prefill_token_threshold  # BUG: caps a request that is alone
 
-    return [(Scheduler, "_schedule_running", lambda self, b, budget, cap: run(self, b, budget, fix(cap, self))),
-            (Scheduler, "_schedule_waiting", lambda self, b, budget, cap: wait(self, b, budget, fix(cap, self)))]
+    return [(Scheduler, "_schedule_running", lambda self, b, budget, cap, *rest: run(self, b, budget, fix(cap, self), *rest)),
+            (Scheduler, "_schedule_waiting", lambda self, b, budget, cap, *rest: wait(self, b, budget, fix(cap, self), *rest))]
 
 
 def _length_before_eos():
@@ -203,11 +203,11 @@ def _admit_after_preempt():
 def _max_num_seqs_off_by_one():
     orig = Scheduler._schedule_waiting
 
-    def _schedule_waiting(self, batch, budget, cap):
+    def _schedule_waiting(self, batch, budget, cap, *rest):
         real = self.config
         self.config = dataclasses.replace(real, max_num_seqs=real.max_num_seqs + 1)  # BUG: <= instead of <
         try:
-            return orig(self, batch, budget, cap)
+            return orig(self, batch, budget, cap, *rest)
         finally:
             self.config = real
     return [(Scheduler, "_schedule_waiting", _schedule_waiting)]

@@ -129,15 +129,32 @@ def test_a_symptom_only_bug_is_reported_under_the_rule_at_fault():
     assert result.divergence.rule == "ABORT.FREE" and result.divergence.request in {r.id for r in trace.requests}
 
 
-@pytest.mark.parametrize("name", ["shared_prefix_freed_on_preempt", "victim_tokens_not_returned",
-                                  "abort_preempted_left_queued", "abort_swapped_leaks_cpu",
-                                  "chunk_after_hit_off_by_one", "retraction_drops_prefix"])
-def test_every_interaction_mutant_is_planted_and_lives_in_a_curated_interaction(name):
+INTERACTION_MUTANTS = ["shared_prefix_freed_on_preempt", "victim_tokens_not_returned", "abort_preempted_left_queued",
+                       "abort_swapped_leaks_cpu", "chunk_after_hit_off_by_one", "retraction_drops_prefix"]
+
+
+def test_every_interaction_mutant_lives_in_a_curated_interaction():
     ms = _mutation_score()
-    mutant = next(m for m in ms.MUTANTS if m.name == name)
-    assert mutant.interaction in P.BY_NAME and name in ms.AT_FAULT
-    with ms.planted(mutant):  # its patch still applies to gpu_engine's source (PlantError otherwise)
-        pass
+    assert sorted(m.name for m in ms.MUTANTS if m.interaction) == sorted(INTERACTION_MUTANTS)
+    assert all(m.interaction in P.BY_NAME for m in ms.MUTANTS if m.interaction)
+    assert set(ms.AT_FAULT) == {m.name for m in ms.MUTANTS}, "every mutant says which rules are at fault"
+
+
+def test_every_mutant_still_plants_on_the_engine_as_it_is():
+    """A patch that no longer fits gpu_engine (a changed signature or line) would be "caught" by the
+    crash it causes, not by the bug it plants: each mutant is planted (PlantError if its line is gone)
+    and run on a few traces without raising inside the patch."""
+    from fuzz.generate import random_trace
+    from fuzz.replay import replay
+
+    ms = _mutation_score()
+    for m in ms.MUTANTS:
+        with ms.planted(m):
+            for seed in range(3):
+                div = replay(random_trace(seed), "gpu", "exact").divergence
+                where = str(div.engine_value) if div is not None and div.kind == "error" else ""
+                assert "mutation_score" not in where and "<mutant of" not in where and "TypeError" not in where, \
+                    f"{m.name}: {where}"
 
 
 def test_a_budget_given_back_by_a_victim_is_named_by_the_victim_rule():
