@@ -603,7 +603,8 @@ def cmd_calibrate(args) -> int:
     from spec.io import check_outputs
 
     check_outputs({"-o/--output": args.output}, {"ROWS": args.rows})
-    result = fit(load_rows(args.rows), name=args.name, knobs=args.overrides, prefill_step=args.prefill_step)
+    result = fit(load_rows(args.rows), name=args.name, knobs=args.overrides, prefill_step=args.prefill_step,
+                 robust=args.robust)
     _write_json(args.output, result.model.to_json())
     table = Table(title=f"cost model {args.name} fitted to {result.rows:,} steps → {args.output}")
     for col in ("fixed", "per prefill token", "per decode seq", "per KV token read", "R²", "median / max error"):
@@ -682,6 +683,8 @@ def add_parsers(sub, command=None) -> None:
                     help="deployment knobs to store with it, e.g. num_blocks=40000")
     ca.add_argument("--prefill-step", action="store_true",
                     help="also fit a fixed cost of any step that computes prompt tokens (per_prefill_step_s)")
+    ca.add_argument("--robust", action="store_true",
+                    help="fit the typical step: leave out steps more than 3 MADs off the fit (stalls by other processes)")
     ca.set_defaults(fn=cmd_calibrate)
 
 

@@ -11,7 +11,8 @@ squared error of ``fixed + a·prefill + b·decode + c·kv`` over the rows
 (non-negative least squares; with four unknowns it is solved exactly by trying
 every set of free coefficients, the others held at 0).  ``prefill_step=True``
 (``batchspec calibrate --prefill-step``) adds ``d·[prefill > 0]``, a fixed cost of
-any step that computes prompt tokens (``CostModel.per_prefill_step_s``).
+any step that computes prompt tokens (``CostModel.per_prefill_step_s``); ``robust=True``
+(``--robust``) fits the typical step, leaving out steps stalled by other processes.
 
 Where the rows come from:
 
@@ -203,31 +204,58 @@ def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return best
 
 
+#: ``fit(robust=True)``: a row is an outlier when its residual is more than this many scaled
+#: median absolute deviations from the median residual (3: ~0.3 % of rows of Gaussian noise).
+OUTLIER_MADS = 3.0
+#: Refits of the robust fit (each drops the current outliers of *all* rows, so it settles).
+ROBUST_ROUNDS = 5
+
+
 def fit(rows: list[tuple[int, int, int, float]], name: str = "calibrated", source: str = "",
-        knobs: dict[str, Any] | None = None, prefill_step: bool = False) -> Fit:
+        knobs: dict[str, Any] | None = None, prefill_step: bool = False, robust: bool = False) -> Fit:
     """The cost model that best explains ``rows`` (non-negative coefficients), and its errors.
 
     ``prefill_step``: also fit ``per_prefill_step_s``, a cost paid once by any step that computes
     prefill tokens (a fifth column: 1 where ``prefill_tokens > 0``).  Off by default, so a fit of
-    the four classic coefficients is unchanged."""
+    the four classic coefficients is unchanged.
+
+    ``robust``: fit the typical step, not the mean.  The fit is repeated (``ROBUST_ROUNDS``) on the
+    rows whose residual under the previous fit lies within ``OUTLIER_MADS`` scaled MADs of the
+    median residual.  Why: on a shared machine a step is now and then descheduled for tens of
+    milliseconds by *other* processes (issue 17: a 2.5 ms decode step measured at 100 ms), a
+    heavy tail that says nothing about the engine and, in a least-squares fit, moves every
+    coefficient.  The errors reported are over all rows."""
     data = np.asarray(rows, dtype=float)
     columns = [np.ones(len(data)), data[:, 0], data[:, 1], data[:, 2]]
     if prefill_step:
         columns.append((data[:, 0] > 0).astype(float))
     a = np.column_stack(columns)
     b = data[:, 3]
-    scale = np.linalg.norm(a, axis=0)
-    scale[scale == 0] = 1.0
-    x = nnls(a / scale, b) / scale  # columns scaled to unit norm: tokens and seconds differ by 1e6
+    x = _nnls_scaled(a, b)
+    kept = len(rows)
+    for _ in range(ROBUST_ROUNDS if robust else 0):
+        residual = b - a @ x
+        mad = 1.4826 * float(np.median(np.abs(residual - np.median(residual))))
+        inliers = np.abs(residual - np.median(residual)) <= OUTLIER_MADS * mad + 1e-12
+        if inliers.sum() < a.shape[1]:
+            break
+        x, kept = _nnls_scaled(a[inliers], b[inliers]), int(inliers.sum())
     x[0] = max(x[0], 1e-9)  # the model needs a positive fixed cost (at least 1 ns per step)
     pred = a @ x
     ss_res, ss_tot = float(np.sum((b - pred) ** 2)), float(np.sum((b - b.mean()) ** 2))
     rel = np.abs(pred - b) / np.maximum(b, 1e-12)
+    how = f", robust: {kept} of them within {OUTLIER_MADS:g} MADs" if robust else ""
     model = CostModel(name=name, fixed_s=float(x[0]), per_prefill_token_s=float(x[1]), per_decode_seq_s=float(x[2]),
                       per_kv_token_s=float(x[3]), knobs=dict(knobs or {}),
-                      source=source or f"fitted to {len(rows)} measured steps (fuzz.calibrate)",
+                      source=(source or f"fitted to {len(rows)} measured steps (fuzz.calibrate)") + how,
                       per_prefill_step_s=float(x[4]) if prefill_step else 0.0)
     return Fit(model, len(rows), 1 - ss_res / ss_tot if ss_tot > 0 else 1.0, float(np.median(rel)), float(rel.max()))
+
+
+def _nnls_scaled(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    scale = np.linalg.norm(a, axis=0)
+    scale[scale == 0] = 1.0
+    return nnls(a / scale, b) / scale  # columns scaled to unit norm: tokens and seconds differ by 1e6
 
 
 def calibration_trace(n: int = 96, seed: int = 0, max_prompt: int = 1024, max_output: int = 64) -> Trace:

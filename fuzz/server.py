@@ -618,40 +618,48 @@ def report(out_dir: str, calibrate_rate: float | None = None, say=print) -> dict
     cal_rate = calibrate_rate if calibrate_rate is not None else rates[len(rates) // 2]
     cal_reqs, cal_res = loads[cal_rate]
     rows = step_rows(session, {r.id for r in cal_reqs})
-    fitted = fit(rows, name=f"vllm-cpu-tiny@{cal_rate:g}", source=f"fitted to {len(rows)} steps of the {cal_rate:g}/s run",
-                 prefill_step=True)
-    cost = fitted.model
-    # the same inputs for the CLI: batchspec calibrate rows-R.json --prefill-step; batchspec simulate trace-R.jsonl
+    # the same inputs for the CLI: batchspec calibrate rows-R.json --prefill-step [--robust]; batchspec simulate trace-R.jsonl
     write_rows(rows, str(out / f"rows-{cal_rate:g}.json"))
     for rate, (reqs, _) in loads.items():
         write_trace(as_timed_trace(reqs, session.knobs), out / f"trace-{rate:g}.jsonl")
     offset = front_end_latency(session, cal_res)
-    say(f"cost model from the {cal_rate:g}/s run ({fitted.rows} steps, R^2 {fitted.r_squared:.3f}): "
-        f"{json.dumps(cost.to_json())}; front-end latency {offset * 1e3:.1f} ms")
-    raw = [RatePoint(rate, client_metrics(res), predict(reqs, session.knobs, cost)) for rate, (reqs, res) in loads.items()]
-    adjusted = [dataclasses.replace(p, offset_s=offset) for p in raw]
+    say(f"front-end latency (client TTFT - engine TTFT, median of the {cal_rate:g}/s run): {offset * 1e3:.1f} ms")
+    fits, sections, result_fits = {}, [], {}
+    for kind, robust in (("robust", True), ("least-squares", False)):
+        fitted = fit(rows, name=f"vllm-cpu-tiny@{cal_rate:g}-{kind}", prefill_step=True, robust=robust,
+                     source=f"fitted to {len(rows)} steps of the {cal_rate:g}/s run")
+        points = [RatePoint(rate, client_metrics(res), predict(reqs, session.knobs, fitted.model), offset)
+                  for rate, (reqs, res) in loads.items()]
+        fits[kind] = (fitted, points)
+        say(f"{kind} fit (R^2 {fitted.r_squared:.3f}): {json.dumps(fitted.model.to_json())}")
+        result_fits[kind] = {
+            "cost_model": fitted.model.to_json(), "r_squared": fitted.r_squared,
+            "median_relative_error": fitted.median_relative_error,
+            "knee": {"measured": knee(points, "measured"), "predicted": knee(points, "predicted")},
+            "points": [{"rate": p.rate, "measured": _plain(p.measured), "predicted": {
+                k: _plain(getattr(p.predicted, k)) for k in ("ttft", "tpot", "itl", "e2e", "queue_growth",
+                                                              "request_throughput")}} for p in points],
+        }
+        c = fitted.model
+        sections.append(
+            f"## {kind} fit + front-end latency\n\ncost model: fixed {c.fixed_s * 1e3:.2f} ms, "
+            f"{c.per_prefill_token_s * 1e6:.1f} us/prefill token, {c.per_decode_seq_s * 1e6:.1f} us/decode, "
+            f"{c.per_kv_token_s * 1e9:.2f} ns/KV token, {c.per_prefill_step_s * 1e3:.2f} ms/step with prefill "
+            f"(R^2 {fitted.r_squared:.3f} over {fitted.rows} steps)\n\n" + prediction_table(points)
+            + "\n\n" + growth_table(points)
+            + f"\n\nknee (throughput < {SATURATED:.0%} of the offered rate): measured "
+              f"{result_fits[kind]['knee']['measured']}, predicted {result_fits[kind]['knee']['predicted']}")
+    raw = [dataclasses.replace(p, offset_s=0.0) for p in fits["robust"][1]]
+    sections.insert(1, "## robust fit, simulator alone (no front-end latency)\n\n" + prediction_table(raw))
     result = {
         **run, "calibrate_rate": cal_rate,
         "decisions": {"agreed": replay.agreed, "level": replay.level, "steps": len(session.records),
                       "requests": len(session.arrivals), "summary": replay.describe()},
-        "cost_model": cost.to_json(), "fit": {"rows": fitted.rows, "r_squared": fitted.r_squared,
-                                              "median_relative_error": fitted.median_relative_error},
-        "front_end_latency_s": offset,
-        "knee": {"measured": knee(raw, "measured"), "predicted": knee(raw, "predicted")},
-        "points": [{"rate": p.rate, "measured": _plain(p.measured), "predicted": {
-            k: _plain(getattr(p.predicted, k)) for k in ("ttft", "tpot", "itl", "e2e", "queue_growth",
-                                                          "request_throughput")}} for p in raw],
+        "front_end_latency_s": offset, "fits": result_fits,
     }
     text = "\n\n".join([
-        f"# vLLM server check\n\n{replay.describe()}\n\ntokens: {tokens['equal']}/{tokens['prompts']} equal",
-        f"cost model: `{json.dumps(cost.to_json())}` (R^2 {fitted.r_squared:.3f} over {fitted.rows} steps), "
-        f"front-end latency {offset * 1e3:.1f} ms",
-        "## simulator alone\n\n" + prediction_table(raw),
-        "## simulator + front-end latency\n\n" + prediction_table(adjusted),
-        "## throughput and queue growth\n\n" + growth_table(raw)
-        + f"\n\nknee (throughput < {SATURATED:.0%} of the offered rate): measured {result['knee']['measured']}, "
-          f"predicted {result['knee']['predicted']}",
-    ]) + "\n"
+        f"# vLLM server check\n\n{replay.describe()}\n\ntokens: {tokens['equal']}/{tokens['prompts']} equal\n\n"
+        f"calibrated on the {cal_rate:g}/s run; front-end latency {offset * 1e3:.1f} ms", *sections]) + "\n"
     _write_text(out / "report.md", text)
     _write_text(out / "report.json", json.dumps(result, indent=1, default=str) + "\n")
     say(text)

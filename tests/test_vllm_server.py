@@ -173,6 +173,30 @@ def test_prefill_step_cost_is_fitted_when_asked_and_changes_nothing_when_unset(t
     assert stepped.step_ns(StepShape(1, 0, 1)) == 5_000_000 and stepped.step_ns(StepShape(0, 1, 1)) == 1_000_000
 
 
+def test_robust_fit_ignores_steps_stalled_by_other_processes():
+    import random
+
+    from fuzz.calibrate import fit
+
+    rng = random.Random(0)
+    rows = []
+    for i in range(400):
+        p, d = rng.choice((0, 0, 0, 32, 128)), rng.randint(1, 16)
+        seconds = 0.002 + 50e-6 * p + 80e-6 * d + rng.gauss(0, 1e-5)
+        if i % 10 == 3:  # one step in ten descheduled for 20-100 ms by another process
+            seconds += rng.uniform(0.02, 0.1)
+        rows.append((p, d, 100 * d + p, seconds))
+    robust = fit(rows, robust=True).model
+    assert robust.fixed_s == pytest.approx(0.002, rel=0.02)
+    assert robust.per_prefill_token_s == pytest.approx(50e-6, rel=0.02)
+    assert robust.per_decode_seq_s == pytest.approx(80e-6, rel=0.05)
+    kept = int(robust.source.split("robust: ")[1].split()[0])
+    assert 350 <= kept <= 360  # the 40 stalled steps out, ~all the others in
+    mean = fit(rows).model
+    assert mean.fixed_s > 0.004  # least squares spreads the stalls over every step
+    assert fit(rows[:50]).model == fit(rows[:50], robust=False).model
+
+
 def test_batchspec_calibrate_prefill_step_option(tmp_path):
     import json
 
