@@ -335,11 +335,13 @@ def _redraw(knob: str, options: Mapping[str, Any], envelope: Envelope | None, ke
         random.Random(zlib.crc32(f"{key}:{knob}".encode())).shuffle(values)
     if options.get("async_scheduling") and knob in ASYNC_NEEDS:
         values.insert(0, ASYNC_NEEDS[knob])
+    before = str(refusal(options))
     for value in [*values, base]:
         if value == current or (envelope is not None and not envelope.allows(knob, value)):
             continue
         err = refusal({**options, knob: value})
-        if err is None or err.field != knob:
+        # (a value refused just as the current one, e.g. edf for sprpt under async, would cycle)
+        if err is None or (err.field != knob and str(err) != before):
             return value
     return base
 

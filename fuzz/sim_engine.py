@@ -260,7 +260,7 @@ def simulate_fast(trace: Trace, cost: CostModel, engine, *, usable_blocks: int |
         if r.abort_at is not None:
             aborts[r.abort_at].append(r.id)
     abort_steps = sorted(aborts)
-    times = {r.id: RequestTimes(r.id, r.tenant, r.prompt_len, a) for r, a in zip(pending, arrivals)}
+    times = {r.id: RequestTimes.of(r, a) for r, a in zip(pending, arrivals)}  # (with its SLO targets)
     tenant_of = {r.id: r.tenant for r in pending}
     result = SimResult(times, cost, usable_blocks)
     tracker = BatchTracker(pending)

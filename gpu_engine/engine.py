@@ -54,8 +54,9 @@ SUPPORTED: dict[str, frozenset | None] = {
     "retract_decode_steps": None, "clip_max_new_tokens": None,
     "admission": frozenset({"budget", "estimate"}),
     "batching": frozenset({"continuous", "prefill-first", "static"}),
-    "policy": frozenset({"fcfs", "priority", "spf", "vtc", "sprpt"}),  # sprpt: issue 19 (edf not yet)
-    "slo_step_s": None,  # read only by the SLO rules: edf's are refused, sprpt ignores it
+    "policy": frozenset({"fcfs", "priority", "spf", "vtc", "sprpt", "edf"}),  # sprpt, edf: issue 19
+    "preemption_victim": frozenset({"policy", "slo-slack"}), "slo_admission": frozenset({"off", "refuse", "defer"}),
+    "slo_step_s": None,  # a timed trace's targets in steps (the SLO rules; sprpt ignores it)
     "kv_reservation": frozenset({"step", "full", "sequence"}),
     # nano-vllm's (issue 16 item 5)
     "free_block_order": frozenset({"cached-last", "tail"}),
@@ -88,8 +89,11 @@ def check_request_supported(request: TraceRequest) -> None:
 
 def check_supported(config: SchedulerConfig) -> None:
     """Raise ``ValueError`` naming the first knob value gpu_engine does not implement."""
-    if config.policy == "sprpt" and config.async_scheduling:  # an in-flight token would change a waiting key
-        raise ValueError("gpu_engine does not implement policy='sprpt' with async_scheduling=True")
+    if config.async_scheduling:  # an in-flight token would change a waiting key / a token time (the spec refuses these too)
+        if config.policy in ("sprpt", "edf"):
+            raise ValueError(f"gpu_engine does not implement policy={config.policy!r} with async_scheduling=True")
+        if config.preemption_victim == "slo-slack":
+            raise ValueError("gpu_engine does not implement preemption_victim='slo-slack' with async_scheduling=True")
     default = type(config)()
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
@@ -237,6 +241,8 @@ class GpuEngine:
     def _step_sync(self) -> StepRecord:
         s = self.sched
         batch = s.schedule()
+        if batch.refused:  # SLO admission control's rejections (before the record is written)
+            self._rejected += batch.refused
         names = self._names(batch.slots)  # read before finished slots are released
         samplers = names if batch.all_sample else s.ids[s.be.host(batch.slots[batch.samples])].tolist()
         if self.want_shape:

@@ -255,3 +255,92 @@ def stop_codes(
     code = xp.where(num_tokens >= max_model_len, STOP_MAX_MODEL_LEN, code)
     code = xp.where(stop_hit, STOP_TOKEN, code)
     return xp.where(eos_ok & (token == eos_token_id), STOP_EOS, code)
+
+
+# -- service-level targets (issue 19): the SLO-aware policies' decisions as array formulas -----
+#
+# Targets and token times are counted in steps.  A request without a target has the due step
+# NEVER; every finite step count is clamped to NEVER - 1, so sums of two stay far inside int64.
+
+NEVER = 1 << 40  # due step / target of a request without that target
+DUE_BITS = 29  # the EDF queue key's field for the due step: due steps up to 2^29 - 2 order exactly
+
+
+def target_steps(value: float | None, timed: bool, step_s: float) -> int:
+    """A target in steps (host scalar): a step trace's target as given; a timed trace's
+    seconds as ``max(1, floor(seconds / step_s))`` steps (with a 1e-9 guard against a quotient
+    like 2.9999999 that should be 3); ``NEVER`` without a target.  Rounding down keeps a
+    step count the scheduler meets within the target at the modelled step time."""
+    if value is None:
+        return NEVER
+    steps = int(value) if not timed else max(1, int(value / step_s + 1e-9))
+    return min(steps, NEVER - 1)
+
+
+def due_steps(first: Array, last: Array, deadline: Array, tpot: Array) -> Array:
+    """When each request's next token is due: its TTFT deadline (``arrival + ttft - 1``)
+    while its first token is not out (``first < 0``), then ``last + tpot``; NEVER without
+    the target in question."""
+    next_token = xp.where(tpot >= NEVER, NEVER, last + tpot)
+    return xp.where(first < 0, deadline, next_token)
+
+
+def edf_keys(deferred: Array, due: Array, arrival: Array) -> Array:
+    """EDF queue keys, ascending = served first: ``(deferred, due, arrival)`` packed as
+    ``deferred * 2^61 + min(due, 2^29 - 1) * 2^32 + arrival`` (arrivals < 2^32 and unique, so
+    the packing orders exactly like the tuple while due steps stay below 2^29 - 1; a request
+    without a deadline gets 2^29 - 1, after every request with one).  Deferred requests
+    (refused a feasible slot by SLO admission control) come after every other."""
+    cap = (1 << DUE_BITS) - 1
+    due = xp.where(due >= NEVER, cap, xp.minimum(due, cap - 1))
+    return deferred * (1 << 61) + due * (1 << 32) + arrival
+
+
+def at_risk(first: Array, last: Array, tpot: Array, num_computed: Array, num_tokens: Array, now: int) -> Array:
+    """Running decodes whose TPOT slack is spent: a token out (``first >= 0``), a TPOT
+    target, the prompt and all outputs but the newest computed, and the next token due now
+    or earlier (``now >= last + tpot``).  EDF serves them before every other request."""
+    return (first >= 0) & (tpot < NEVER) & (num_computed == num_tokens - 1) & (now >= last + tpot)
+
+
+def at_risk_grants(need: Array, free: int, limit: int) -> Array:
+    """Which at-risk decodes (in running order, one token each) get their token: positions.
+
+    Loop: ``for r in at_risk: if granted == limit: stop; if need_r > free: skip; free -= need_r;
+    grant r`` with ``need_r`` in {0, 1} (one token needs at most one new block) and
+    ``limit = min(budget, max_num_seqs - already scheduled)``.  A skipped request takes
+    nothing, and once a one-block request fails every later one fails too, so request ``r``
+    succeeds iff ``need_r = 0`` or ``incl(need)_r <= free`` (the inclusive prefix sum counts the
+    one-block requests up to it); the grants are the first ``limit`` successes."""
+    ok = (need == 0) | (need.cumsum(0) <= free)
+    return xp.nonzero(ok)[:max(limit, 0)]
+
+
+def feasible(now: int, tokens: Array, budget: int, deadline: Array) -> Array:
+    """SLO admission control: a waiting request could still sample its first token by its
+    deadline given the whole budget ``B`` every step from now on:
+    ``now + cdiv(tokens, B) - 1 <= deadline`` (always, without a deadline)."""
+    return (deadline >= NEVER) | (now + cdiv(tokens, budget) - 1 <= deadline)
+
+
+def slack_victim_order(missed: Array, due: Array) -> Array:
+    """Positions of the running list in the order the SLO-slack victim rule picks them:
+    the rule takes the request with the largest ``(missed, due)`` (a target already missed,
+    then the most slack: the latest next-token due step), the latest in the running list on
+    a tie, one at a time; keys do not change within a step, so that is descending
+    ``(missed, due)``, ties from the tail.  ``missed`` in {0, 1}, ``due`` <= NEVER."""
+    n = len(due)
+    key = missed * (NEVER * 2) + due
+    rev = xp.exclusive_cumsum(due * 0 + 1)
+    rev = (n - 1) - rev  # n-1, ..., 0: the tail first
+    return rev[xp.stable_argsort(-key[rev])]
+
+
+def note_tokens(first: Array, last: Array, missed: Array, deadline: Array, tpot: Array,
+                now: int) -> tuple[Array, Array, Array]:
+    """Requests that sampled a token in step ``now``: ``(first, last, missed)`` after it.  The
+    first token misses if it comes after the TTFT deadline, a later one if it comes more
+    than ``tpot`` steps after the one before; a request that missed once stays missed."""
+    new = first < 0
+    late = xp.where(new, now > deadline, (tpot < NEVER) & (now - last > tpot))
+    return xp.where(new, now, first), last * 0 + now, xp.where(late, 1, missed)

@@ -64,7 +64,9 @@ REASONS = {F.STOP_EOS: FINISH_EOS, F.STOP_TOKEN: FINISH_STOP_TOKEN,
            F.STOP_MAX_MODEL_LEN: FINISH_MAX_MODEL_LEN, F.STOP_MAX_TOKENS: FINISH_MAX_TOKENS}
 COLUMNS = ("prompt_len", "num_tokens", "num_output_tokens", "num_computed_tokens", "status", "priority", "arrival",
            "arrival_step", "max_tokens", "ignore_eos", "num_blocks", "num_cached_blocks", "queue_key", "tenant",
-           "swap_key", "cpu_blocks", "stop_at", "placeholders", "preemptions")
+           "swap_key", "cpu_blocks", "stop_at", "placeholders", "preemptions",
+           # service-level targets (issue 19), in steps (formulas.NEVER: no target / not yet)
+           "ttft_deadline", "tpot", "first_token", "last_token", "slo_missed", "deferred", "at_risk_served")
 def salt_root(cache_salt: str | None) -> int | None:
     """The parent hash of a salted request's first block (None without a salt): the first
     8 bytes of sha256 over the salt, so only requests with equal salts share any block."""
@@ -74,6 +76,7 @@ def salt_root(cache_salt: str | None) -> int | None:
 
 
 PRIORITY_SHIFT = 1 << 32  # priority / spf key = base * 2^32 + arrival (arrivals are unique)
+SLO_INFEASIBLE = "slo_infeasible"  # the rejection reason of a request SLO admission control refuses
 
 
 @dataclass
@@ -92,6 +95,7 @@ class Batch:
     swapped_in: list[str] = field(default_factory=list)
     cache_hits: dict[str, int] = field(default_factory=dict)
     hit_blocks: dict[str, list[int]] = field(default_factory=dict)  # logged state: admitted -> prefix-hit block ids
+    refused: list[tuple[str, str]] = field(default_factory=list)  # SLO admission control: (id, "slo_infeasible")
     estimate_rem: float | None = None  # logged state: rem_total_tokens when the first head was tested
 
 
@@ -150,7 +154,12 @@ class Scheduler:
         self.head_key = -1  # FCFS: next key for a prepended victim (decreasing)
         self.tail_key = 0  # FCFS: next key for an arrival (increasing)
         self.clock = 0  # steps executed so far (the engine advances it): ages for QUEUE.AGING
-        self.keyed = c.policy in ("priority", "spf", "sprpt")  # queue order by (base key, arrival), not by insertion
+        self.keyed = c.policy in ("priority", "spf", "sprpt", "edf")  # queue order by key, not by insertion
+        # SLO-aware scheduling (issue 19): EDF order and at-risk decodes first, the slack victim,
+        # admission control; each needs the per-request token times kept by :meth:`_note_tokens`
+        self.edf = c.policy == "edf"
+        self.slack_victim = c.preemption_victim == "slo-slack"
+        self.slo = self.edf or self.slack_victim
         self.tc = TenantCounters(c) if c.policy == "vtc" else None  # VTC counters (host side)
         self.estimate = c.admission == "estimate"  # SGLang: new_token_ratio admission + retraction
         self.ratio = c.new_token_ratio_init
@@ -291,6 +300,7 @@ class Scheduler:
             self.hashes[s] = []
         else:
             self.hashes[s] = list(chain) if chain is not None else self._chain([], prompt, salt_root(req.cache_salt))
+        self._slo_arrival(s, req)
         self.tie_times[s] = req.tie_time(arrival)
         if req.client_arrival_time is not None and not self.client_times:
             self.client_times = True
@@ -328,7 +338,7 @@ class Scheduler:
         if self.keyed:
             tie = self.tie_rank[s] if self.client_times and self.config.policy == "priority" \
                 and not self.config.aging_steps else int(self.arrival[s])  # aging keeps the arrival order
-            key = self._base_key(s) * PRIORITY_SHIFT + tie
+            key = self._edf_key(s) if self.edf else self._base_key(s) * PRIORITY_SHIFT + tie
         elif front:
             key, self.head_key = self.head_key, self.head_key - 1
         else:
@@ -352,6 +362,84 @@ class Scheduler:
             guess = self.sources[s].predicted_output_len
             return max((cap if guess is None else min(guess, cap)) - int(self.num_output_tokens[s]), 0)
         return int(self.priority[s])
+
+    # ------------------------------------------------------------------ service-level targets (issue 19)
+
+    def _slo_arrival(self, s: int, req: TraceRequest) -> None:
+        """A request's targets in steps (:func:`formulas.target_steps`: a timed trace's seconds
+        turned into steps by ``slo_step_s``) and its token times (none yet)."""
+        timed, step_s = req.arrival_time is not None, self.config.slo_step_s
+        ttft = F.target_steps(req.ttft_slo, timed, step_s)
+        self.ttft_deadline[s] = F.NEVER if ttft >= F.NEVER else self.clock + ttft - 1
+        self.tpot[s] = F.target_steps(req.tpot_slo, timed, step_s)
+        self.first_token[s] = self.last_token[s] = -1
+        self.slo_missed[s] = self.deferred[s] = self.at_risk_served[s] = 0
+
+    def _due(self, slots: Array) -> Array:
+        """When each slot's next token is due (:func:`formulas.due_steps`)."""
+        return F.due_steps(self.first_token[slots], self.last_token[slots], self.ttft_deadline[slots], self.tpot[slots])
+
+    def _edf_key(self, s: int) -> int:
+        """A waiting slot's EDF queue key (:func:`formulas.edf_keys`): deferred last, then the
+        due step of its next token, then arrival.  Fixed while it waits: a waiting request
+        samples nothing (async scheduling is refused with edf), only deferral changes it."""
+        one = self.be.asarray([s])
+        return int(F.edf_keys(self.deferred[one], self._due(one), self.arrival[one])[0])
+
+    def _note_tokens(self, slots: Array) -> None:
+        """The slots sampled a token in this step (the clock): first/last token steps, misses."""
+        first, last, missed = F.note_tokens(self.first_token[slots], self.last_token[slots], self.slo_missed[slots],
+                                            self.ttft_deadline[slots], self.tpot[slots], self.clock)
+        self.first_token[slots], self.last_token[slots], self.slo_missed[slots] = first, last, missed
+
+    def _slo_admission(self, batch: Batch) -> None:
+        """SLO admission control before admission: every waiting request whose first token is
+        not out, not deferred yet, and that can no longer make its TTFT deadline with the whole
+        budget from now on (:func:`formulas.feasible`) is refused (``slo_infeasible``; under
+        "refuse", a request never admitted) or deferred behind the rest (re-keyed).  Refusals
+        are listed in queue order."""
+        waiting = xp.nonzero(self.queue_key < INF_KEY)
+        if not len(waiting):
+            return
+        open_ = waiting[(self.first_token[waiting] < 0) & (self.deferred[waiting] == 0)]
+        lost = open_[~F.feasible(self.clock, self.num_tokens[open_], self.config.max_num_batched_tokens,
+                                 self.ttft_deadline[open_])]
+        if not len(lost):
+            return
+        lost = lost[xp.stable_argsort(self.queue_key[lost])]
+        refuse = self.config.slo_admission == "refuse"
+        for s, status in zip(xp.to_list(lost), xp.to_list(self.status[lost])):
+            if refuse and status == WAITING:  # (one admitted once and preempted since is deferred)
+                self.queue_key[s] = INF_KEY
+                self.num_waiting -= 1
+                batch.refused.append((self.ids[s], SLO_INFEASIBLE))
+                self._release(s)
+            else:
+                self.deferred[s] = 1
+                self.queue_key[s] = self._edf_key(s)
+
+    def _serve_at_risk(self, budget: int):
+        """EDF: before the running walk, the running decodes whose next token is due now
+        (:func:`formulas.at_risk`) each get their token, in running order, while budget and
+        max_num_seqs allow and their block (if they need one) is free
+        (:func:`formulas.at_risk_grants`); one whose block is missing is left to the walk,
+        which preempts for it.  Marks them in ``at_risk_served`` (the walk skips them)."""
+        run, c = self.running, self.config
+        comp, ntok = self.num_computed_tokens[run], self.num_tokens[run]
+        risky = xp.nonzero(F.at_risk(self.first_token[run], self.last_token[run], self.tpot[run], comp, ntok, self.clock))
+        empty = self.be.empty_int()
+        if not len(risky) or budget <= 0:
+            return empty, empty, budget
+        cand = run[risky]
+        ones = cand * 0 + 1
+        need = F.block_demand(comp[risky], ones, self.num_blocks[cand], self.bs, c.max_model_len)
+        take = F.at_risk_grants(need, self.pool.num_free, min(budget, c.max_num_seqs))
+        if not len(take):
+            return empty, empty, budget
+        slots, n = cand[take], ones[take]
+        self._allocate_cached(slots, need[take], xp.minimum(comp[risky][take] + 1, ntok[risky][take]))
+        self.at_risk_served[slots] = 1
+        return slots, n, budget - len(take)
 
     def abort(self, request_id: str) -> bool:
         """Remove a waiting or running request and free its blocks at once."""
@@ -578,6 +666,8 @@ class Scheduler:
         starved = not len(self.running) and (self.num_waiting > 0 or self.num_swapped > 0)
         if self.continues:  # RUN.CONTINUE_PREFILL_FIRST: before any admission
             slots_c, n_c, budget = self._continue_prefill(budget, cap)
+        if c.slo_admission != "off" and c.batching == "prefill-first":  # (every step, before admission)
+            self._slo_admission(batch)
         if c.batching == "prefill-first" and self.num_waiting and not self.num_swapped:
             slots2, n2, budget = self._schedule_waiting(batch, budget, cap, len(slots_c), (slots_c, n_c))
         if not len(slots2) and not len(slots_c):  # (a step that continued a prefill is a prefill batch)
@@ -587,6 +677,8 @@ class Scheduler:
                     self._next_ratio(bool(batch.preempted))
             if self.num_swapped and not batch.preempted:
                 slots_in, n_in, budget = self._schedule_swapped(batch, budget, cap, len(slots1))
+            if c.slo_admission != "off" and c.batching != "prefill-first":  # (every step, gates or not)
+                self._slo_admission(batch)
             admit = not (c.batching == "prefill-first" or (c.batching == "static" and not starved)
                          or (batch.preempted and not c.admit_after_preempt) or self.num_swapped)
             if admit and self.num_waiting:
@@ -738,8 +830,14 @@ class Scheduler:
         return adm, n, budget - xp.total(n)
 
     def _running_phase(self, batch: Batch, budget: int, cap: int):
-        """Phase 1 (:meth:`_schedule_running`), its given-back victims dropped, charged under VTC."""
-        slots1, n1, budget, unscheduled = self._schedule_running(batch, budget, cap)
+        """Phase 1 (:meth:`_schedule_running`, after EDF's at-risk decodes), its given-back
+        victims dropped, charged under VTC."""
+        served = self._serve_at_risk(budget) if self.edf else None
+        if served is not None:
+            budget = served[2]
+        slots1, n1, budget, unscheduled = self._schedule_running(batch, budget, cap, served)
+        if served is not None and len(served[0]):
+            self.at_risk_served[served[0]] = 0
         if unscheduled:
             keep = ~xp.isin(slots1, self.be.asarray(unscheduled))
             slots1, n1 = slots1[keep], n1[keep]
@@ -762,6 +860,9 @@ class Scheduler:
             key = self.num_output_tokens[run] * PRIORITY_SHIFT - self.prompt_len[run]
             rev = self.be.arange(len(run))[::-1] if self.be.numpy else self.be.arange(len(run)).flip(0)
             return rev[xp.stable_argsort(key[rev])]
+        if self.slack_victim:  # PREEMPT.VICTIM_SLO_SLACK: missed first, then the most slack
+            due = self._due(run)
+            return F.slack_victim_order(xp.where(due < self.clock, 1, self.slo_missed[run]), due)
         if self.config.policy == "priority":
             key = self.priority[run] * PRIORITY_SHIFT + self._victim_ties(run)
             return xp.stable_argsort(-key)
@@ -781,18 +882,22 @@ class Scheduler:
         xp.scatter_max(last, blocks, position)
         return F.freed_by_position(position, last[blocks], len(victims))
 
-    def _schedule_running(self, batch: Batch, budget: int, cap: int):
+    def _schedule_running(self, batch: Batch, budget: int, cap: int, served=None):
         """Phase 1 in segments: each segment is the closed form up to the next failed
-        allocation; a failure is one preemption event (the only Python loop)."""
+        allocation; a failure is one preemption event (the only Python loop).
+        ``served``: EDF's at-risk decodes, already in the batch (the walk skips them)."""
         c = self.config
         limit = c.max_num_seqs if self.step_scope else None  # BATCH.MAX_NUM_SEQS_PER_STEP
-        if self.steady and len(self.running) <= budget and (limit is None or len(self.running) <= limit):
+        early = served is not None and len(served[0]) > 0
+        if self.steady and not early and len(self.running) <= budget and (limit is None or len(self.running) <= limit):
             fast = self._decode_all(budget)
             if fast is not None:
                 return fast
         run, i = self.running, 0
-        seg_slots, seg_n, unscheduled = [], [], []
-        num_scheduled = 0
+        seg_slots, seg_n = ([served[0]], [served[1]]) if early else ([], [])
+        unscheduled = []
+        num_scheduled = len(served[0]) if early else 0
+        give_back = c.policy == "priority" or self.estimate or self.slack_victim or early
         while i < len(run) and budget > 0 and (limit is None or num_scheduled < limit):
             seg = run[i:]
             comp = self.num_computed_tokens[seg]
@@ -801,6 +906,8 @@ class Scheduler:
                 demand = self._async_demand(seg, comp, ntok, cap)
             else:
                 demand = F.token_demand(ntok, comp, cap, c.max_model_len)
+            if early:  # served at risk: nothing more this step
+                demand = xp.where(self.at_risk_served[seg] > 0, 0, demand)
             n, reached = F.grant_tokens(demand, budget)
             if limit is not None:  # reached while fewer than max_num_seqs were scheduled (a prefix too)
                 reached = reached & (xp.exclusive_cumsum((n > 0) * 1) < limit - num_scheduled)
@@ -824,7 +931,7 @@ class Scheduler:
             count, self_preempted = F.victims_needed(self._freed_in_order(run[order]), self.pool.num_free, dr, self_pos)
             vpos = order[:count]
             victims = run[vpos]
-            if c.policy == "priority" or self.estimate:  # a victim scheduled earlier gives its tokens back
+            if give_back:  # a victim scheduled earlier (in the walk or at risk) gives its tokens back
                 for ss, sn in zip(seg_slots, seg_n):
                     hit = xp.isin(ss, victims)
                     if xp.any_true(hit):
@@ -1091,6 +1198,8 @@ class Scheduler:
         ntok = pos + ones
         self.num_tokens[smp] = ntok
         self.num_output_tokens[smp] = self.num_output_tokens[smp] + ones
+        if self.slo:
+            self._note_tokens(smp)
         # cheap screen first: most steps stop nobody (stop_at: the max_tokens / max_model_len length)
         maybe = self._length_slack(smp, ntok) <= 0 or xp.contains(tokens, eos_token_id)
         if self.num_with_stop_ids and not maybe:
@@ -1276,10 +1385,13 @@ class Scheduler:
                 k = next(j for j, tok in enumerate(out[:k]) if tok in stops)
             toks.append(out)
         held = xp.to_list(self.num_blocks[run])
-        pops = sorted((max(b * bs - ti + 1, 0), i, b) for i, (ti, h) in enumerate(zip(t, held))
+        rank = self._span_order(run, k) if self.edf else range(len(slots))
+        if rank is None:
+            return 0, []
+        pops = sorted((max(b * bs - ti + 1, 0), rank[i], b, i) for i, (ti, h) in enumerate(zip(t, held))
                       for b in range(h, cdiv(ti + k - 1, bs)))
         free, used = self.pool.num_free, 0
-        for n_before, (j, _, _) in enumerate(pops):  # an allocation past the free blocks: a preemption
+        for n_before, (j, _, _, _) in enumerate(pops):  # an allocation past the free blocks: a preemption
             if n_before >= free and j < k:
                 k = j
                 break
@@ -1287,17 +1399,20 @@ class Scheduler:
             return 0, []
         pops = [e for e in pops if e[0] < k]
         allocs = [0] * k
-        for j, _, _ in pops:
+        for j, _, _, _ in pops:
             allocs[j] += 1
         if pops:
             blocks = xp.to_list(self.pool.pop(len(pops)))
-            for (j, i, b), block in zip(pops, blocks):
+            for (j, _, b, i), block in zip(pops, blocks):
                 self.block_table[slots[i], b] = block
                 if self.host_tables is not None:
                     self.host_tables[slots[i]].append(block)
             self.pool.evicted = []
         if self.caching:
-            self._span_cache(slots, t, toks, k)
+            self._span_cache(slots, t, toks, k, rank)
+        if self.slo:  # k tokens each, one a step: the first in this step, the last in step clock + k - 1
+            self._note_tokens(run)  # (the later gaps are one step: no miss, every tpot being >= 1)
+            self.last_token[run] = self.clock + k - 1
         for i, s in enumerate(slots):
             ti = t[i]
             self.token_ids[s, ti:ti + k] = self.be.asarray(toks[i][:k])
@@ -1307,9 +1422,28 @@ class Scheduler:
         self.num_computed_tokens[run] = self.num_tokens[run] - 1
         return k, allocs
 
-    def _span_cache(self, slots: list[int], t: list[int], toks: list[list[int]], k: int) -> None:
+    def _span_order(self, run: Array, k: int) -> list[int] | None:
+        """EDF in a decode span: each step serves the at-risk decodes first (their blocks are
+        popped and registered first), then the rest, each group in running order; ``rank[i]``
+        is request ``i``'s place in that order.  Every step of a steady span has the same
+        at-risk set: each request's last token came one step earlier, so it is at risk iff
+        its tpot is <= 1.  None (no span) if this step's set differs from that."""
+        tpot = self.tpot[run]
+        later = xp.to_list(tpot <= 1)
+        now = xp.to_list(F.at_risk(self.first_token[run], self.last_token[run], tpot, self.num_tokens[run] - 1,
+                                   self.num_tokens[run], self.clock))
+        if now != later:
+            return None
+        order = sorted(range(len(later)), key=lambda i: (not later[i], i))
+        rank = [0] * len(order)
+        for place, i in enumerate(order):
+            rank[i] = place
+        return rank
+
+    def _span_cache(self, slots: list[int], t: list[int], toks: list[list[int]], k: int, rank=None) -> None:
         """Prefix-cache bookkeeping of a decode span: extend each hash chain over the blocks
-        its appended tokens fill, register blocks in (step, running order)."""
+        its appended tokens fill, register blocks in (step, allocation order): running order,
+        or ``rank`` (EDF: at-risk decodes first)."""
         bs = self.bs
         regs = []
         for i, (s, ti) in enumerate(zip(slots, t)):
@@ -1324,13 +1458,13 @@ class Scheduler:
                     chain.append(hash_block(chain[-1] if chain else self._root(s), part))
             cached = int(self.num_cached_blocks[s])
             for m in range(cached, (ti + k - 1) // bs):  # registered in step (m + 1) * bs - t_i
-                regs.append((max((m + 1) * bs - ti, 0), i, m))
+                regs.append((max((m + 1) * bs - ti, 0), i if rank is None else rank[i], i, m))
             if (ti + k - 1) // bs > cached:
                 self.num_cached_blocks[s] = (ti + k - 1) // bs
         regs.sort()
         if regs:
-            self.pool.register([int(self.block_table[slots[i], m]) for _, i, m in regs],
-                               [self.hashes[slots[i]][m] for _, i, m in regs])
+            self.pool.register([int(self.block_table[slots[i], m]) for _, _, i, m in regs],
+                               [self.hashes[slots[i]][m] for _, _, i, m in regs])
 
     # ------------------------------------------------------------------ views for records
 

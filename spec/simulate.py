@@ -73,6 +73,13 @@ class RequestTimes:
     ttft_target_s: float | None = None
     tpot_target_s: float | None = None
 
+    @classmethod
+    def of(cls, r, arrival_ns: int) -> "RequestTimes":
+        """A request's entry before it runs: its identity, arrival and targets."""
+        return cls(r.id, r.tenant, r.prompt_len, arrival_ns, slo_class=r.slo_class,
+                   ttft_target_s=None if r.ttft_slo is None else float(r.ttft_slo),
+                   tpot_target_s=None if r.tpot_slo is None else float(r.tpot_slo))
+
     @property
     def completed(self) -> bool:
         return self.finish_ns is not None and self.outcome not in (None, "aborted") and not self.outcome.startswith("rejected")
@@ -256,10 +263,7 @@ def simulate(
     for r in trace.requests:
         if r.abort_at is not None:
             aborts[r.abort_at].append(r.id)
-    times = {r.id: RequestTimes(r.id, r.tenant, r.prompt_len, a, slo_class=r.slo_class,
-                                ttft_target_s=None if r.ttft_slo is None else float(r.ttft_slo),
-                                tpot_target_s=None if r.tpot_slo is None else float(r.tpot_slo))
-             for r, a in zip(pending, arrivals)}
+    times = {r.id: RequestTimes.of(r, a) for r, a in zip(pending, arrivals)}
     tenant_of = {r.id: r.tenant for r in pending}
     result = SimResult(times, cost, usable_blocks)
     tracker = BatchTracker(pending)

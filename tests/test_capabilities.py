@@ -91,8 +91,9 @@ def test_gpu_declaration_is_derived_from_gpu_engines_allow_list():
     for knob in knob_names():
         if knob not in SUPPORTED:  # gpu_engine refuses any other value: so does the envelope
             assert not env.allows(knob, "not-the-default") and env.allows(knob, getattr(SchedulerConfig(), knob))
-        elif SUPPORTED[knob] is not None:
-            assert set(env.knobs[knob]) == set(SUPPORTED[knob]), knob
+        elif SUPPORTED[knob] is not None:  # (an envelope of every value is the whole map: no per-knob list)
+            allowed = set(KNOB_CHOICES.get(knob, SUPPORTED[knob])) if env.everything else set(env.knobs[knob])
+            assert allowed == set(SUPPORTED[knob]), knob
     whole = {k: (frozenset(KNOB_CHOICES[k]) if k in KNOB_CHOICES else None) for k in knob_names()}
     assert caps._from_allow_list(whole, "t").everything, "an allow-list of every value is the whole map"
     narrower = {**whole, "policy": frozenset({"fcfs", "priority"})}
