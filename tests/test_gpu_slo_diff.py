@@ -15,12 +15,17 @@ from __future__ import annotations
 import os
 from collections import Counter
 
+import numpy as np
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fuzz.engines  # noqa: F401  (registers gpu)
 from fuzz.generate import random_trace
 from fuzz.replay import replay
 from gpu_engine import GpuEngine
+from gpu_engine import formulas as F
 from gpu_engine.engine import check_supported
 from spec.config import ConfigError, resolve
 from spec.formats import Trace, TraceRequest
@@ -101,7 +106,7 @@ def test_slo_knobs_cross_the_map():
 def test_edf_torch_code_path():
     """The CUDA code path (array code as torch ops), run on CPU."""
     for profile in ("sprpt", "edf", "edf-ac"):
-        for seed in range(9000, 9008):
+        for seed in range(9000, 9005):
             trace = random_trace(seed, profile=profile, max_steps=MAX_STEPS)
             result = replay(trace, GpuEngine.from_trace(trace, use_numpy=False), "exact")
             assert result.agreed, f"{profile} seed {seed}: {result.divergence.describe()}"
@@ -266,3 +271,61 @@ def test_edf_decode_span_equals_its_steps(tpots):
     # step, exactly as the per-step path does.  (None, 1): the second request's blocks first.
     k = 7
     assert _span_state(True, tpots, k) == _span_state(False, tpots, k)
+
+
+# -- the SLO formulas against the sequential loops they replace ---------------------------------
+
+ARRAYS = [lambda v: np.asarray(v, dtype=np.int64), lambda v: torch.as_tensor(np.asarray(v, dtype=np.int64))]
+
+
+def _ints(x) -> list[int]:
+    return [int(v) for v in x.tolist()]
+
+
+@pytest.mark.parametrize("arr", ARRAYS)
+@settings(max_examples=120, deadline=None)
+@given(need=st.lists(st.integers(0, 1), max_size=10), free=st.integers(0, 6), limit=st.integers(0, 8))
+def test_at_risk_grants_equal_the_loop(arr, need, free, limit):
+    granted = []
+    for i, k in enumerate(need):  # the spec's serve_at_risk walk over the at-risk decodes
+        if len(granted) >= limit:
+            break
+        if k > free:
+            continue  # allocation fails: left to the running walk
+        free -= k
+        granted.append(i)
+    assert _ints(F.at_risk_grants(arr(need), free + sum(need[i] for i in granted), limit)) == granted
+
+
+@pytest.mark.parametrize("arr", ARRAYS)
+@settings(max_examples=120, deadline=None)
+@given(keys=st.lists(st.tuples(st.integers(0, 1), st.sampled_from([0, 1, 2, 5, F.NEVER])), min_size=1, max_size=8))
+def test_slack_victim_order_equals_repeated_picks(arr, keys):
+    running = list(range(len(keys)))
+    picks = []
+    while running:  # the rule, one victim at a time: max (missed, due), the latest in the list on a tie
+        victim = max(reversed(running), key=lambda i: keys[i])
+        picks.append(victim)
+        running.remove(victim)
+    order = F.slack_victim_order(arr([m for m, _ in keys]), arr([d for _, d in keys]))
+    assert _ints(order) == picks
+
+
+@pytest.mark.parametrize("arr", ARRAYS)
+@settings(max_examples=120, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(0, 1), st.sampled_from([0, 3, 7, (1 << 29) - 3, F.NEVER])),
+                     min_size=1, max_size=8))
+def test_edf_keys_order_like_the_tuple(arr, rows):
+    keys = _ints(F.edf_keys(arr([d for d, _ in rows]), arr([u for _, u in rows]), arr(list(range(len(rows))))))
+    by_key = sorted(range(len(rows)), key=lambda i: keys[i])
+    by_tuple = sorted(range(len(rows)), key=lambda i: (rows[i][0], rows[i][1], i))  # (deferred, due, arrival)
+    assert by_key == by_tuple and max(keys) < F.INF_KEY
+
+
+def test_target_steps_worked_examples():
+    # a step trace's targets are steps; a timed trace's 0.25 s at 0.1 s a step is 2.5 -> 2
+    # steps, 0.05 s is half a step -> at least 1, 0.3 s at 0.1 s is 3 (not 2.9999...)
+    assert F.target_steps(4, False, 0.1) == 4 and F.target_steps(None, True, 0.1) == F.NEVER
+    assert [F.target_steps(v, True, 0.1) for v in (0.25, 0.05, 0.3)] == [2, 1, 3]
+    # (feasible: with budget 4, 8 tokens need two steps, so from step 3 the first token is out at 4)
+    assert _ints(F.feasible(3, np.asarray([8, 8, 4]), 4, np.asarray([4, 3, F.NEVER]))) == [1, 0, 1]
