@@ -145,6 +145,8 @@ class _Req:
     placeholders: int = 0  # async scheduling: tokens in flight, inside ``computed`` (ASYNC.PLACEHOLDER)
     preemptions: int = 0  # async scheduling: a token scheduled before a later preemption is stale
     abort_pending: bool = False  # aborted while running, freed after its next sample (ABORT.AFTER_NEXT_SAMPLE)
+    peak: int = 0  # speculative decoding: the most tokens computed since admission (rolled-back drafts keep their slots)
+    registrable: int | None = None  # speculative decoding: tokens known when it last allocated (SPEC.CACHE_VERIFIED)
 
 
 @dataclass
@@ -192,9 +194,12 @@ class LogChecker:
         self._ratio = config.new_token_ratio_init  # new_token_ratio at the end of the previous record
         self._vtc: dict[str, float] = {}  # vtc_counters at the end of the previous record that logged them
         self._rules = _rule_ids()
-        #: async scheduling: step -> {request: its preemption count} of the tokens that step samples,
-        #: in flight until a record whose ``outputs_step`` names the step (ASYNC.OUTPUTS_NEXT_STEP)
-        self._in_flight: dict[int, dict[str, int]] = {}
+        #: async scheduling: step -> {request: (its preemption count, drafts scheduled)} of the tokens
+        #: that step samples, in flight until a record whose ``outputs_step`` names the step
+        #: (ASYNC.OUTPUTS_NEXT_STEP)
+        self._in_flight: dict[int, dict[str, tuple[int, int]]] = {}
+        #: speculative decoding: request -> the stop rules' verdict after this step's verified tokens
+        self._verdicts: dict[str, str | None] = {}
         self.vocab = trace.vocab_size if trace is not None else MAX_VOCAB_SIZE
         if trace is not None:
             self.sources = {r.id: r for r in trace.requests}
@@ -491,7 +496,7 @@ class LogChecker:
                 self.flag("QUEUE.ADMISSION_ORDER", s, rid, f"admitted ahead of {ahead[0]} ({self.cfg.policy})", name)
         self._join(r)
         hit = (rec.cache_hits or {}).get(rid, 0)
-        r.computed, r.hit_blocks = hit, hit // self.cfg.block_size
+        r.computed, r.hit_blocks, r.peak = hit, hit // self.cfg.block_size, hit
         r.hit_unknown = rec.cache_hits is None and self.cfg.enable_prefix_caching  # a decisions-level log
         if r.source is not None and rec.cache_hits is not None and hit >= r.source.prompt_len + r.outputs:
             self.flag("CACHE.HIT_NOT_WHOLE", s, rid, f"hit {hit} of {r.source.prompt_len + r.outputs} tokens", "cache_hits")
@@ -533,21 +538,30 @@ class LogChecker:
                 self.flag("REQ.SCHEDULED_IS_RUNNING", s, rid, f"scheduled while {r.state}", "scheduled")
                 continue
             r.computed += n
+            r.peak = max(r.peak, r.computed)
             if n < 1 or r.computed > self.cfg.max_model_len:
                 self.flag("REQ.COMPUTED_LE_TOKENS", s, rid, f"computed {r.computed} of max_model_len {self.cfg.max_model_len}", "scheduled")
+            drafts = (rec.drafts or {}).get(rid, 0)  # SPEC.DRAFT_SCHEDULE: scheduled past the known tokens
             if self.cfg.async_scheduling:
-                self._schedule_async(s, r)
+                self._schedule_async(s, r, drafts)
                 continue
             if r.source is None:
                 r.outputs += rid in rec.sampled
                 continue
             tokens = r.source.prompt_len + r.outputs
-            if n < 1 or r.computed > tokens:
-                self.flag("REQ.COMPUTED_LE_TOKENS", s, rid, f"computed {r.computed} > {tokens} tokens", "scheduled")
-            if r.hit_unknown and rid in rec.sampled and r.computed < tokens:
-                r.computed, r.hit_unknown = tokens, False  # the hit covered the rest: sampling shows it
-            if (rid in rec.sampled) != (r.computed == tokens):
-                self.flag("SAMPLE.AFTER_PREFILL", s, rid, f"sampled={rid in rec.sampled} with {r.computed} of {tokens} computed", "sampled")
+            if n < 1 or r.computed - drafts > tokens:
+                self.flag("REQ.COMPUTED_LE_TOKENS", s, rid, f"computed {r.computed} > {tokens} tokens"
+                          + (f" + {drafts} drafts" if drafts else ""), "scheduled")
+            if r.hit_unknown and rid in rec.sampled and r.computed - drafts < tokens:
+                r.computed, r.hit_unknown = tokens + drafts, False  # the hit covered the rest: sampling shows it
+            if (rid in rec.sampled) != (r.computed - drafts == tokens):
+                self.flag("SAMPLE.AFTER_PREFILL", s, rid, f"sampled={rid in rec.sampled} with {r.computed} of {tokens} computed"
+                          + (f" + {drafts} drafts" if drafts else ""), "sampled")
+            # SPEC.CACHE_VERIFIED: the allocation cached only known tokens; accepted drafts wait for the next one
+            r.registrable = tokens if drafts else None
+            if drafts and rid in rec.sampled:
+                self._verify(r, rec.sampled[rid], drafts, (rec.accepted or {}).get(rid, 0), stale=False)
+                continue
             r.outputs += rid in rec.sampled
             if r.outputs > r.source.max_tokens:
                 self.flag("REQ.COMPUTED_LE_TOKENS", s, rid, f"{r.outputs} outputs > max_tokens {r.source.max_tokens}", "sampled")
@@ -557,20 +571,39 @@ class LogChecker:
             if not isinstance(token, int) or not 0 <= token < self.vocab:
                 self.flag("SAMPLE.IN_VOCAB", s, rid, f"token {token} outside the vocabulary [0, {self.vocab})", "sampled")
 
-    def _schedule_async(self, s: int, r: _Req) -> None:
+    def _schedule_async(self, s: int, r: _Req, drafts: int = 0) -> None:
         """Async scheduling: ``computed`` counts the placeholders (ASYNC.PLACEHOLDERS_COUNT), so a
-        request may be computed up to its known tokens plus its placeholders; the step samples a
-        token (a new placeholder, in flight until its outputs are applied) when it reaches them
-        (ASYNC.PLACEHOLDER)."""
+        request may be computed up to its known tokens plus its placeholders (plus the drafts
+        scheduled now); the step samples a token (a new placeholder, in flight until its outputs
+        are applied) when it reaches them (ASYNC.PLACEHOLDER), its drafts placeholders too."""
         if r.source is None:
             return
         tokens = r.source.prompt_len + r.outputs + r.placeholders
-        if r.computed > tokens:
+        if r.computed - drafts > tokens:
             self.flag("REQ.COMPUTED_LE_TOKENS", s, r.request_id, f"computed {r.computed} > {tokens} tokens "
-                      f"({r.placeholders} in flight)", "scheduled")
-        if r.computed >= tokens:
-            r.placeholders += 1
-            self._in_flight.setdefault(s, {})[r.request_id] = r.preemptions
+                      f"({r.placeholders} in flight" + (f", {drafts} drafts)" if drafts else ")"), "scheduled")
+        if r.computed - drafts >= tokens:
+            r.placeholders += 1 + drafts
+            self._in_flight.setdefault(s, {})[r.request_id] = (r.preemptions, drafts)
+
+    def _verify(self, r: _Req, first: int, drafts: int, accepted: int, stale: bool) -> int:
+        """Speculative decoding: the outputs of a step that verified ``drafts`` drafts.  The rejected
+        ones leave ``computed`` (SPEC.ROLLBACK; not for a stale output); then ``1 + accepted`` tokens
+        — ``first``, then the trace's next ones — are appended under the stop rules, which may
+        stop the request among them (SPEC.STOP_IN_DRAFTS).  Records the stop verdict for
+        STOP.CONSISTENT; returns the tokens appended."""
+        if not stale and r.computed > 0:
+            r.computed -= drafts - accepted
+        src, verdict, appended = r.source, None, 0
+        for i in range(1 + min(accepted, drafts)):
+            token = first if i == 0 else src.output_token(r.outputs, self.vocab, self.trace.eos_token_id)
+            r.outputs += 1
+            appended += 1
+            verdict = self._stop_reason(r, token)
+            if verdict is not None:
+                break
+        self._verdicts[r.request_id] = verdict
+        return appended
 
     def _apply_async_outputs(self, rec: StepRecord) -> None:
         """Async scheduling: a record's ``sampled`` are the tokens of step ``outputs_step`` (the batch
@@ -600,8 +633,18 @@ class LogChecker:
             if r.state == "ended":
                 self.flag("SAMPLE.AFTER_PREFILL", s, rid, "a token applied after the request ended", "sampled")
                 continue
+            preemptions, drafts = expected[rid]
+            fresh = preemptions == r.preemptions
+            if drafts and r.source is not None and self.trace is not None:
+                accepted = (rec.accepted or {}).get(rid, 0)
+                if fresh:
+                    r.placeholders -= drafts - accepted
+                appended = self._verify(r, rec.sampled[rid], drafts, accepted, stale=not fresh)
+                if fresh:
+                    r.placeholders -= appended
+                continue
             r.outputs += 1
-            if expected[rid] == r.preemptions:
+            if fresh:
                 r.placeholders -= 1
             if r.source is not None and r.outputs > r.source.max_tokens:
                 self.flag("REQ.COMPUTED_LE_TOKENS", s, rid, f"{r.outputs} outputs > max_tokens {r.source.max_tokens}", "sampled")
@@ -619,7 +662,7 @@ class LogChecker:
             live = ("running", "waiting") if self.cfg.async_scheduling else ("running",)
             if r is None or r.source is None or r.state not in live:
                 continue
-            want = self._stop_reason(r, token)
+            want = self._verdicts.pop(rid) if rid in self._verdicts else self._stop_reason(r, token)
             if want != finished.get(rid):
                 got = finished.get(rid, "not finished")
                 self.flag("STOP.CONSISTENT", s, rid, f"{got} after sampling {token} (output {r.outputs}); the stop rules say {want or 'go on'}", "finished")
@@ -703,7 +746,7 @@ class LogChecker:
         need = _cdiv(r.computed, bs)
         if held < need:
             self.flag("MEM.SLOTS_COVER_COMPUTED", s, r.request_id, f"{r.computed} computed, {held * bs} slots", "blocks")
-        elif self.cfg.kv_reservation == "step" and held > need:
+        elif self.cfg.kv_reservation == "step" and held > _cdiv(max(r.computed, r.peak), bs):  # drafts rolled back keep slots
             self.flag("MEM.BLOCKS_MATCH_COMPUTED", s, r.request_id, f"{held} blocks for {r.computed} computed tokens", "blocks")
         elif self.cfg.kv_reservation == "full" and r.source is not None:
             slots = max(min(r.source.prompt_len + r.source.max_tokens - 1, self.cfg.max_model_len - 1), r.computed)
@@ -769,7 +812,8 @@ class LogChecker:
                     return  # its reservation is not in the log
                 continue
             before = held.get(rid, 0) if rid in throughout else self.req(rid).hit_blocks
-            pops += max(_cdiv(self.req(rid).computed, self.cfg.block_size) - before, 0)
+            r = self.req(rid)
+            pops += max(_cdiv(max(r.computed, r.peak), self.cfg.block_size) - before, 0)
         if rec.num_evicted > pops:
             self.flag("CACHE.HITS_CONSISTENT", rec.step, None, f"{rec.num_evicted} evictions, {pops} blocks allocated", "num_evicted")
 
@@ -885,7 +929,8 @@ class LogChecker:
             if r.hit_unknown or rid in rec.preempted:
                 continue
             # async: blocks whose last token is in flight are cached when it arrives (ASYNC.CACHE_AFTER_OUTPUT)
-            missing = sorted(set(range(r.hit_blocks, (r.computed - r.placeholders) // bs)) - r.registered)
+            upto = r.computed - r.placeholders if r.registrable is None else min(r.computed, r.registrable)
+            missing = sorted(set(range(r.hit_blocks, upto // bs)) - r.registered)
             if missing:
                 self.flag("LOG.STATE_CONSISTENT", s, rid, f"full blocks {missing[:4]} never registered "
                           f"({r.computed} tokens computed)", "cache_registered")

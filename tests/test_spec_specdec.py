@@ -316,3 +316,40 @@ def test_vllm_asserts_on_a_padded_admission_cut_by_the_long_prefill_cap(monkeypa
     monkeypatch.setattr(adapter, "resolve", lambda raw: cfg)  # past the spec's refusal
     with pytest.raises(AssertionError):
         drive(adapter.VllmEngine(t), t, 50)
+
+
+# -- the log checker counts drafts (invariants/log_checker.py) ---------------------------
+
+
+def _check(t, records):
+    from invariants.log_checker import check_log
+    from spec.formats import DecisionLog
+
+    return check_log(DecisionLog("spec", "exact", records), resolve(t.config), t).violations
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_log_checker_keeps_every_invariant_on_speculative_logs(async_scheduling):
+    """Drafts scheduled past the known tokens, rolled back, kept slots, accepted tokens (stops
+    among them) and blocks cached only once verified: none of it is a violation."""
+    from fuzz.generate import random_trace
+    from spec.protocol import drive
+    from spec.scheduler import SpecEngine
+
+    for seed in range(40):
+        t = random_trace(seed, num_speculative_tokens=1 + seed % 4, async_scheduling=async_scheduling)
+        broken = _check(t, drive(SpecEngine.from_trace(t), t, 100_000))
+        assert not broken, (seed, [f"{v.invariant} at {v.step}: {v.evidence}" for v in broken[:3]])
+
+
+def test_the_log_checker_flags_a_wrong_accepted_count():
+    """One accepted draft more than the log's tokens show: the computed tokens the checker
+    derives no longer match the log's own ``computed`` (and the stop rules' verdict moves)."""
+    from spec.protocol import drive
+    from spec.scheduler import SpecEngine
+
+    t = trace(*ROLLBACK)
+    records = drive(SpecEngine.from_trace(t), t, 100)
+    assert not _check(t, records)
+    records[1].accepted = {"A": 2}
+    assert _check(t, records)

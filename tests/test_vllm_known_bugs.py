@@ -5,7 +5,7 @@ Each ``tests/corpus/vllm-known/NAME.jsonl`` drives vLLM into the code path of a 
 vLLM 0.32.0 / 0.33.0 wrote on it (scripts/record_known_bugs.py).  None of the bugs reproduces on these
 releases (their fixes are in both, or the trigger needs what the adapter does not run); the traces
 guard the fixes: in CI, every log is replayed against the spec (agreement, every invariant kept on
-the log alone; the checker's one gap on speculative decoding is an expected failure, said why) and
+the log alone, speculative decoding's drafts included) and
 must show the bug's trigger (a trace that no longer reaches the path guards
 nothing); under the ``vllm`` marker the installed release runs each trace live and must agree too."""
 from __future__ import annotations
@@ -60,10 +60,6 @@ TRIGGERS = {
 }
 
 
-#: Invariants the log checker breaks on speculative-decoding logs because it does not count accepted drafts.
-DRAFT_BLIND = {"REQ.COMPUTED_LE_TOKENS", "STOP.CONSISTENT"}
-
-
 def test_every_known_bug_trace_has_a_trigger_and_both_logs():
     assert {t.stem for t in TRACES} == set(TRIGGERS)
     missing = [str(log) for _, log in LOGS if not log.exists()]
@@ -77,9 +73,6 @@ def test_recorded_log_reaches_the_bug_path_agrees_and_keeps_every_invariant(trac
     result = replay_records(trace, log.records, "exact", engine=log.engine)
     assert result.agreed, result.describe()
     broken = check_log(log, resolve(trace.config), trace).violations
-    if broken and trace.config.get("num_speculative_tokens") and {v.invariant for v in broken} <= DRAFT_BLIND:
-        pytest.xfail("the log checker does not count accepted drafts as tokens yet (a batchspec gap, "
-                     "docs/findings/README.md): it flags a log the spec agrees with")
     assert not broken, [f"{v.invariant} at {v.step}: {v.evidence}" for v in broken[:5]]
 
 
