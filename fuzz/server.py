@@ -466,6 +466,65 @@ def predict(requests: list[ClientRequest], knobs: dict[str, Any], cost) -> Any:
     return summarize(simulate(as_timed_trace(requests, knobs), cost))
 
 
+class ContendedCost:
+    """A fitted cost model plus the machine's own stalls, replayed: CPU contention as measured.
+
+    The robust fit predicts the typical step; on a shared machine, steps are also descheduled
+    by other processes, in runs (a process stays out for several consecutive steps).  This cost
+    adds to each step the residual (measured − fitted, nanoseconds) of a calibration step, taken
+    in blocks of :data:`STALL_BLOCK` consecutive steps from a seeded random start (a block
+    bootstrap: it keeps the stalls' correlation from step to step, which an i.i.d. draw would
+    average away inside one request's TPOT).  ``random.Random(seed)``: the same seed, the same
+    simulation.  It quacks as a :class:`spec.costmodel.CostModel` for ``spec.simulate``."""
+
+    def __init__(self, base, residual_ns: list[int], seed: int = 0, block: int = 16):
+        import random
+
+        self.base, self.residual_ns, self.block = base, residual_ns, min(block, len(residual_ns))
+        self.rng = random.Random(seed)
+        self.at, self.left = 0, 0
+
+    def step_ns(self, shape) -> int:
+        if self.left == 0:
+            self.at, self.left = self.rng.randrange(len(self.residual_ns) - self.block + 1), self.block
+        extra = self.residual_ns[self.at]
+        self.at, self.left = self.at + 1, self.left - 1
+        return max(1, self.base.step_ns(shape) + extra)
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+
+#: Consecutive calibration steps whose stalls a simulated step replays together (ContendedCost).
+STALL_BLOCK = 16
+#: Seeded simulations averaged per rate under ContendedCost (percentiles averaged).
+STALL_SEEDS = 5
+
+
+def residuals_ns(cost, rows: list[tuple[int, int, int, float]]) -> list[int]:
+    """Measured minus predicted step time of every calibration row, in order, nanoseconds."""
+    from spec.costmodel import StepShape
+
+    return [round(s * 1e9) - cost.step_ns(StepShape(p, d, kv)) for p, d, kv, s in rows]
+
+
+def predict_contended(requests: list[ClientRequest], knobs: dict[str, Any], cost, residual_ns: list[int]) -> Any:
+    """:func:`predict` under :class:`ContendedCost` with seeds ``0..STALL_SEEDS-1``; percentiles,
+    throughput and queue growth averaged over the seeds (the expected value of each)."""
+    from spec.metrics import Stats
+
+    runs = [predict(requests, knobs, ContendedCost(cost, residual_ns, seed, STALL_BLOCK)) for seed in range(STALL_SEEDS)]
+
+    def mean_stats(name: str) -> Stats:
+        xs = [getattr(m, name) for m in runs]
+        return Stats(xs[0].count, *(math.fsum(getattr(x, f) for x in xs) / len(xs) for f in ("mean", "p50", "p95", "p99", "max")))
+
+    return dataclasses.replace(runs[0], ttft=mean_stats("ttft"), tpot=mean_stats("tpot"), itl=mean_stats("itl"),
+                               e2e=mean_stats("e2e"),
+                               request_throughput=math.fsum(m.request_throughput for m in runs) / len(runs),
+                               queue_growth=math.fsum(m.queue_growth for m in runs) / len(runs))
+
+
 #: A rate is past the knee when the requests completed per second fall below this share of the offered rate.
 SATURATED = 0.9
 
@@ -625,11 +684,16 @@ def report(out_dir: str, calibrate_rate: float | None = None, say=print) -> dict
     offset = front_end_latency(session, cal_res)
     say(f"front-end latency (client TTFT - engine TTFT, median of the {cal_rate:g}/s run): {offset * 1e3:.1f} ms")
     fits, sections, result_fits = {}, [], {}
-    for kind, robust in (("robust", True), ("least-squares", False)):
-        fitted = fit(rows, name=f"vllm-cpu-tiny@{cal_rate:g}-{kind}", prefill_step=True, robust=robust,
+    for kind, robust in (("robust + measured stalls", True), ("robust", True), ("least-squares", False)):
+        fitted = fit(rows, name=f"vllm-cpu-tiny@{cal_rate:g}-{kind.split()[0]}", prefill_step=True, robust=robust,
                      source=f"fitted to {len(rows)} steps of the {cal_rate:g}/s run")
-        points = [RatePoint(rate, client_metrics(res), predict(reqs, session.knobs, fitted.model), offset)
-                  for rate, (reqs, res) in loads.items()]
+        if kind.endswith("stalls"):
+            stalls = residuals_ns(fitted.model, rows)
+            points = [RatePoint(rate, client_metrics(res), predict_contended(reqs, session.knobs, fitted.model, stalls),
+                                offset) for rate, (reqs, res) in loads.items()]
+        else:
+            points = [RatePoint(rate, client_metrics(res), predict(reqs, session.knobs, fitted.model), offset)
+                      for rate, (reqs, res) in loads.items()]
         fits[kind] = (fitted, points)
         say(f"{kind} fit (R^2 {fitted.r_squared:.3f}): {json.dumps(fitted.model.to_json())}")
         result_fits[kind] = {
@@ -641,8 +705,10 @@ def report(out_dir: str, calibrate_rate: float | None = None, say=print) -> dict
                                                               "request_throughput")}} for p in points],
         }
         c = fitted.model
+        how = (f"each simulated step also replays a calibration step's residual, in blocks of {STALL_BLOCK} "
+               f"consecutive steps (ContendedCost), mean of {STALL_SEEDS} seeds; " if kind.endswith("stalls") else "")
         sections.append(
-            f"## {kind} fit + front-end latency\n\ncost model: fixed {c.fixed_s * 1e3:.2f} ms, "
+            f"## {kind} fit + front-end latency\n\n{how}cost model: fixed {c.fixed_s * 1e3:.2f} ms, "
             f"{c.per_prefill_token_s * 1e6:.1f} us/prefill token, {c.per_decode_seq_s * 1e6:.1f} us/decode, "
             f"{c.per_kv_token_s * 1e9:.2f} ns/KV token, {c.per_prefill_step_s * 1e3:.2f} ms/step with prefill "
             f"(R^2 {fitted.r_squared:.3f} over {fitted.rows} steps)\n\n" + prediction_table(points)

@@ -197,6 +197,29 @@ def test_robust_fit_ignores_steps_stalled_by_other_processes():
     assert fit(rows[:50]).model == fit(rows[:50], robust=False).model
 
 
+def test_contended_cost_replays_measured_stalls_in_seeded_blocks():
+    from fuzz.server import ContendedCost
+    from spec.costmodel import CostModel, StepShape
+
+    base = CostModel("b", fixed_s=0.001)
+    residual = [0, 0, 50_000_000, 40_000_000, 0, 0, 0, 0, -200_000, 0]
+    shape = StepShape(0, 1, 10)
+
+    def draw(seed: int) -> list[int]:
+        cost = ContendedCost(base, residual, seed, block=4)
+        return [cost.step_ns(shape) for _ in range(40)]
+
+    assert draw(3) == draw(3) and draw(3) != draw(4)
+    steps = draw(3)
+    extras = [s - 1_000_000 for s in steps]
+    for k in range(0, 40, 4):  # each block of 4 steps is 4 consecutive residuals
+        block = extras[k:k + 4]
+        assert any(block == residual[i:i + 4] for i in range(len(residual) - 3)), block
+    assert ContendedCost(base, [-5_000_000], 0, block=1).step_ns(shape) == 1  # never below 1 ns
+    quiet = ContendedCost(base, [0] * 5, 0)
+    assert [quiet.step_ns(shape) for _ in range(7)] == [base.step_ns(shape)] * 7
+
+
 def test_batchspec_calibrate_prefill_step_option(tmp_path):
     import json
 
