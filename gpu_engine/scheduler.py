@@ -12,15 +12,20 @@ State (one row per request slot, capacity grows by doubling)
     ``waiting``                  implicit: every slot with a finite ``queue_key``; the
                                  queue order is ascending key (FCFS and VTC: a deque counter,
                                  victims get keys below the head, retracted requests above the
-                                 tail; priority / spf: (priority or prompt length, arrival),
-                                 aged per step by :meth:`Scheduler._queue_keys`)
+                                 tail; priority / spf / sprpt: (priority, prompt length or
+                                 predicted remaining output, arrival), aged per step by
+                                 :meth:`Scheduler._queue_keys`; edf: (deferred, due step, arrival),
+                                 :func:`formulas.edf_keys`)
     ``swapped``                  implicit: every slot with a finite ``swap_key`` (swap-in order)
     ``pool``                     :class:`~gpu_engine.block_pool.BlockPool`
 
 The knobs (``spec.config.SchedulerConfig``) it implements are listed in
 :data:`gpu_engine.engine.SUPPORTED`: phase order ``batching`` (continuous,
 prefill-first, static), ``kv_reservation`` (step, full, sequence), ``policy`` (fcfs,
-priority, spf, vtc) with ``aging_steps``, ``preemption_mode`` (recompute, swap to
+priority, spf, vtc, sprpt, edf) with ``aging_steps``, the SLO knobs (issue 19:
+``preemption_victim`` "slo-slack", ``slo_admission`` "refuse"/"defer", EDF's at-risk
+decodes served before the running walk; per-slot token times in the ``ttft_deadline``
+... ``deferred`` columns, kept by :meth:`Scheduler._note_tokens`), ``preemption_mode`` (recompute, swap to
 a counted CPU pool), ``admission`` (budget, SGLang's estimate with retraction), and
 nano-vllm's: ``prefill_chunking`` ("first-continues": the prefills the last step cut,
 kept in ``cut``, continue before any admission, and only a batch's first admission may
@@ -543,10 +548,11 @@ class Scheduler:
 
     def _mirror(self, slots: Array, counts: Array, blocks: Array) -> None:
         """Append to the host copy of the block tables (kept only for the exact log,
-        so that writing it needs no device-to-host copy of whole tables)."""
+        so that writing it needs no device-to-host copy of whole tables).  A table is
+        replaced, never changed in place, so that every record may keep the list it got."""
         flat, i = xp.to_list(blocks), 0
         for s, k in zip(xp.to_list(slots), xp.to_list(counts)):
-            self.host_tables[s] += flat[i:i + k]
+            self.host_tables[s] = self.host_tables[s] + flat[i:i + k]  # (a new list: records share the old one)
             i += k
 
     def _cache_blocks(self, slots: Array, upto_tokens: Array, full: Array | None = None) -> None:
@@ -1406,7 +1412,7 @@ class Scheduler:
             for (j, _, b, i), block in zip(pops, blocks):
                 self.block_table[slots[i], b] = block
                 if self.host_tables is not None:
-                    self.host_tables[slots[i]].append(block)
+                    self.host_tables[slots[i]] = self.host_tables[slots[i]] + [block]  # (see _mirror)
             self.pool.evicted = []
         if self.caching:
             self._span_cache(slots, t, toks, k, rank)
@@ -1470,8 +1476,9 @@ class Scheduler:
 
     def tables(self) -> list[list[int]]:
         """Block tables of the running requests, in running order (for the exact log)."""
-        if self.host_tables is not None:
-            return [list(self.host_tables[s]) for s in xp.to_list(self.running)]
+        if self.host_tables is not None:  # (never changed in place: each record may keep them as they are)
+            tables = self.host_tables
+            return [tables[s] for s in xp.to_list(self.running)]
         run = self.running
         held = self.num_blocks[run]
         width = int(held.max()) if len(run) else 0
