@@ -68,6 +68,7 @@ SUPPORTED: dict[str, frozenset | None] = {
     "length_limits": frozenset({"reject", "clip"}),
     "ignore_eos_scope": frozenset({"eos", "eos-and-stop-tokens"}),
     "abort_running": frozenset({"at-once", "after-next-sample"}),
+    "admission_hold": frozenset({"off", "until-departure"}),
     "preemption_mode": frozenset({"recompute", "swap"}),
     "priority_self_preempt": frozenset({"stop", "continue"}),
     "async_scheduling": frozenset({False, True}),  # True: scheduler-only mode (no model)

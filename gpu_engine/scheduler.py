@@ -140,6 +140,10 @@ class Scheduler:
         self.abort_after_sample = c.abort_running == "after-next-sample"
         self.abort_pending: set[int] = set()
         self.continued_blocks = 0  # blocks the continued prefills of this step allocated (ESTIMATE.CONTINUED_CHUNK)
+        # ESTIMATE.HOLD_UNTIL_DEPARTURE: request ids of the batch admission waits on (None: not held)
+        self.plan_hold = c.admission_hold == "until-departure"
+        self.hold: frozenset | None = None
+        self._pre_batch = 0  # requests running when the step began (the hold needs a running batch)
         self.cut: list[tuple[int, str]] = []  # (slot, request id) of the prefills the last step cut
         self.watermark_blocks = c.watermark_blocks
         self.capacity, self.token_width, self.block_width, self.stop_width = 0, 0, 0, 0
@@ -670,11 +674,14 @@ class Scheduler:
         batch = Batch(empty, empty, empty, empty)
         slots1 = n1 = slots_in = n_in = slots_c = n_c = slots2 = n2 = empty
         starved = not len(self.running) and (self.num_waiting > 0 or self.num_swapped > 0)
+        had_cut = self.plan_hold and any(self.ids[s] == rid and int(self.status[s]) == RUNNING for s, rid in self.cut)
+        self._pre_batch = len(self.running)
         if self.continues:  # RUN.CONTINUE_PREFILL_FIRST: before any admission
             slots_c, n_c, budget = self._continue_prefill(budget, cap)
         if c.slo_admission != "off" and c.batching == "prefill-first":  # (every step, before admission)
             self._slo_admission(batch)
-        if c.batching == "prefill-first" and self.num_waiting and not self.num_swapped:
+        held = c.batching == "prefill-first" and not self.num_swapped and self._held(had_cut)
+        if c.batching == "prefill-first" and self.num_waiting and not self.num_swapped and not held:
             slots2, n2, budget = self._schedule_waiting(batch, budget, cap, len(slots_c), (slots_c, n_c))
         if not len(slots2) and not len(slots_c):  # (a step that continued a prefill is a prefill batch)
             if len(self.running):
@@ -687,6 +694,7 @@ class Scheduler:
                 self._slo_admission(batch)
             admit = not (c.batching == "prefill-first" or (c.batching == "static" and not starved)
                          or (batch.preempted and not c.admit_after_preempt) or self.num_swapped)
+            admit = admit and not self._held(had_cut)
             if admit and self.num_waiting:
                 slots2, n2, budget = self._schedule_waiting(batch, budget, cap, len(slots1) + len(slots_in))
         fast, self._steady_batch = self._steady_batch, None
@@ -705,11 +713,38 @@ class Scheduler:
             if self.asynchronous:  # each sampled token is in flight until the next step applies it
                 self.placeholders[slots[samples]] += 1
         batch.slots, batch.num_scheduled, batch.start, batch.samples = slots, n, start, samples
-        if self.continues and not batch.all_sample:  # continued first in the next step
-            self.cut = [(s, self.ids[s]) for s in xp.to_list(slots[~samples])]
+        if self.continues or self.plan_hold:  # continued first in the next step; a cut releases the hold
+            self.cut = [(s, self.ids[s]) for s in xp.to_list(slots[~samples])] if not batch.all_sample else []
         self.steady = (batch.all_sample and not batch.preempted and len(slots) == len(self.running)
                        and not self.asynchronous)  # (the steady closed form assumes known tokens)
         return batch
+
+    def _held(self, had_cut: bool) -> bool:
+        """ESTIMATE.HOLD_UNTIL_DEPARTURE at the admission gate: held while every request of the
+        batch it waits on still runs, something runs and no prefill the last step cut continues;
+        then it waits on the batch as it is now.  Released otherwise."""
+        if self.hold is None:
+            return False
+        run = [self.ids[s] for s in xp.to_list(self.running)]
+        left = any(rid not in self.slot_of or int(self.status[self.slot_of[rid]]) != RUNNING for rid in self.hold)
+        if not run or had_cut or left:
+            self.hold = None
+            return False
+        self.hold = frozenset(run)
+        return True
+
+    def _estimate_refused(self, e: int, cand: Array, rest: Array, n: Array, budget: int, cap: int,
+                          scheduled: int) -> bool:
+        """Whether ESTIMATE.ADMIT is the test that stopped admission at window candidate ``e``
+        (the first whose estimate fails): the spec tests the budget left, ADMIT.NO_CHUNKING and
+        ADMIT.CHUNK_ONLY_FIRST before it, and blocks after it."""
+        if e >= len(cand):
+            return False
+        left = budget - (xp.total(n[:e]) if e else 0)
+        r = int(rest[e])
+        if left <= 0 or (not self.config.enable_chunked_prefill and (min(r, cap) if cap > 0 else r) > left):
+            return False
+        return not (self.first_continues and scheduled + e > 0 and r > left)
 
     def _room(self, scheduled: int) -> int:
         """How many more requests may join this step's batch: max_num_seqs minus the running
@@ -1015,6 +1050,7 @@ class Scheduler:
         ADMIT.CHUNK_ONLY_FIRST)."""
         c = self.config
         out_slots, out_n = [], []
+        continued = continued if continued is not None else (self.be.empty_int(), self.be.empty_int())
         rem = None
         if self.estimate:  # SGLang's rem_total_tokens, fixed as the admission round begins
             rem = self._estimate_rem(continued)
@@ -1046,16 +1082,22 @@ class Scheduler:
                 if batch.estimate_rem is None:
                     batch.estimate_rem = rem
                 ok, before = self._estimate_ok(ntok - nhit * self.bs, cand, rem)
-                count = min(count, xp.first_true(~ok))
+                e = xp.first_true(~ok)
+                count = min(count, e)
                 rem = float(before[count])
             if self.first_continues:
                 count = min(count, self._first_cut_only(ntok - nhit * self.bs, budget, cap, scheduled))
+            # ESTIMATE.HOLD_UNTIL_DEPARTURE: the estimate refused the head, with a batch running since the step began
+            hold = (self.plan_hold and rem is not None and count == e and self._pre_batch > len(continued[0])
+                    and self._estimate_refused(e, cand, ntok - nhit * self.bs, n, budget, cap, scheduled))
             if count:
                 self._admit(batch, cand[:count], ntok[:count], n[:count], need[:count], hits, nhit[:count], evictable[:count])
                 out_slots.append(cand[:count])
                 out_n.append(n[:count])
                 budget -= xp.total(n[:count])
                 scheduled += count
+            if hold:
+                self.hold = frozenset(self.ids[s] for s in xp.to_list(self.running))
             if count < len(cand) or count == 0:
                 break
         return self.be.cat(out_slots), self.be.cat(out_n), budget

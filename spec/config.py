@@ -147,6 +147,11 @@ class SchedulerConfig:
     #: estimated remaining output (``new_token_ratio``), retracting the request with the
     #: fewest output tokens when a step lacks memory (rules ESTIMATE.*, RETRACT.*).
     admission: str = "budget"
+    #: After ESTIMATE.ADMIT refuses the queue head (rule ESTIMATE.HOLD_UNTIL_DEPARTURE): "off" —
+    #: the head is tested again in the next step; "until-departure" — no waiting request is
+    #: tested until a request of the batch leaves it (finishes, is aborted or retracted), the
+    #: engine runs empty, or a cut prefill continues (SGLang's running_batch.batch_is_full).
+    admission_hold: str = "off"
     #: SGLang's initial new_token_ratio (SGLANG_INIT_NEW_TOKEN_RATIO 0.7 x
     #: schedule_conservativeness 1.0), restored whenever the engine becomes empty.
     new_token_ratio_init: float = 0.7
@@ -267,6 +272,7 @@ KNOB_CHOICES: dict[str, tuple[str, ...]] = {
     "length_limits": ("reject", "clip"),
     "ignore_eos_scope": ("eos", "eos-and-stop-tokens"),
     "abort_running": ("at-once", "after-next-sample"),
+    "admission_hold": ("off", "until-departure"),
     "policy": ("fcfs", "priority", "spf", "vtc", "edf", "sprpt"),
     "preemption_victim": ("policy", "slo-slack"),
     "slo_admission": ("off", "refuse", "defer"),
@@ -333,6 +339,7 @@ def step_plan(cfg: "SchedulerConfig") -> StepPlan:
     swap = cfg.preemption_mode == "swap"
     at_risk = ("serve_at_risk",) if cfg.policy == "edf" else ()  # EDF.AT_RISK_FIRST
     slo_gate = ("slo_admission",) if cfg.slo_admission != "off" else ()  # SLO.REFUSE / SLO.DEFER
+    slo_gate = (("hold_until_departure",) if cfg.admission_hold != "off" else ()) + slo_gate  # ESTIMATE.HOLD_*
     after_running = (("charge_vtc",) if cfg.policy == "vtc" else ()) + \
         (("update_ratio",) if cfg.admission == "estimate" else ()) + (("swap_in",) if swap else ())
     if cfg.batching == "prefill-first":
@@ -511,7 +518,7 @@ SGLANG = _derived(
     batching="prefill-first", admission="estimate", enable_chunked_prefill=True, max_num_batched_tokens=16384,
     block_size=1, num_blocks=16384, scheduler_reserve_full_isl=False, max_num_seqs=1024,
     length_limits="clip", ignore_eos_scope="eos-and-stop-tokens", cache_register="computed",
-    prefill_chunking="last-continues", abort_running="after-next-sample",
+    prefill_chunking="last-continues", abort_running="after-next-sample", admission_hold="until-departure",
 )
 VTC = _derived(
     "vtc", "1", "Virtual Token Counter fair scheduling (Sheng et al., OSDI'24): the backlogged tenant with the smallest "
@@ -723,6 +730,8 @@ def validate(cfg: SchedulerConfig) -> SchedulerConfig:
         raise ConfigError("admission", "estimate is its own reservation rule; it needs kv_reservation=step")
     if cfg.prefill_chunking != "any" and cfg.batching != "prefill-first":
         raise ConfigError("prefill_chunking", f"{cfg.prefill_chunking} needs batching=prefill-first")
+    if cfg.admission_hold != "off" and cfg.admission != "estimate":
+        raise ConfigError("admission_hold", f"{cfg.admission_hold} holds after ESTIMATE.ADMIT refuses; it needs admission=estimate")
     if cfg.length_limits == "clip" and not cfg.reject_unservable:
         # the clip assumes the prompt passed the input limit (a longer one would get no output at all)
         raise ConfigError("length_limits", "clip needs reject_unservable=true (its input limit)")

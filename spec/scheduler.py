@@ -473,6 +473,23 @@ def next_ratio(ratio: float, retracted: bool, remaining: list[Request], cfg: Sch
     return min(1.0, (outputs + cfg.retract_decode_steps * len(remaining)) / (sum(r.max_tokens for r in remaining) + 1))
 
 
+@rule("ESTIMATE.HOLD_UNTIL_DEPARTURE", knobs=("admission_hold",), applies=bool)
+def admission_still_held(held: frozenset[str], requests: dict, running: list[Request], cut_continues: bool) -> bool:
+    """Under admission_hold="until-departure", once ESTIMATE.ADMIT has refused the queue head in
+    a step that began with requests running (a prefill continued in the step not counted), no
+    waiting request is tested again (nobody is admitted) until one of ``held`` — the running
+    requests as of the last step — has left the running list (finished, aborted or
+    retracted), the engine runs empty, or a prefill the previous step cut continues.  This is SGLang's
+    running_batch.batch_is_full: set on the running batch when add_one_req answers NO_TOKEN,
+    cleared only when that batch shrinks (the merge of a prefill batch that leaves the
+    chunked request out included); set on an empty running batch it is lost when the next
+    prefill batch replaces it.  Memory that frees up as the ratio decays admits nobody
+    meanwhile; a finishing request reopens admission.  Returns whether admission stays held."""
+    if not running or cut_continues:
+        return False
+    return all(rid in requests and requests[rid].status == Status.RUNNING for rid in held)
+
+
 @rule("VTC.CHARGE", knobs=("vtc_input_price", "vtc_output_price", "tenant_weights"))
 def vtc_cost(req: Request, start: int, n: int, cfg: SchedulerConfig) -> float:
     """Under "vtc" every scheduled chunk charges its tenant's counter, at the moment it
@@ -816,6 +833,8 @@ class SpecEngine:
         self.cpu_free = config.num_cpu_blocks
         self.cpu_blocks: dict[str, int] = {}  # swapped request -> CPU blocks it holds
         self.new_token_ratio = config.new_token_ratio_init  # admission="estimate" (rule ESTIMATE.RATIO)
+        self.plan_hold = config.admission_hold == "until-departure"
+        self.hold: frozenset[str] | None = None  # ESTIMATE.HOLD_UNTIL_DEPARTURE: the batch when the head was refused
         self._compose(step_plan(config))
         self.requests: dict[str, Request] = {}
         self.rejected: dict[str, str] = {}
@@ -1172,6 +1191,21 @@ class SpecEngine:
             prefill_batch_first(self.running, st.out, st.scheduled)
             st.step_ends = True
 
+    @phase("hold_until_departure")
+    def _phase_hold_until_departure(self, st: StepState) -> None:
+        """SGLang: after ESTIMATE.ADMIT refused the head, nobody is admitted until a request of the
+        batch leaves, the engine runs empty or a cut prefill continues (ESTIMATE.HOLD_UNTIL_DEPARTURE)."""
+        if self.hold is None or st.admission_held:
+            return
+        if not admission_still_held(self.hold, self.requests, self.running, bool(self.cut_prefills())):
+            self.hold = None
+            return
+        st.admission_held = True
+        self.hold = frozenset(r.request_id for r in self.running)  # the batch now (its members since)
+        if len(self.waiting):
+            st.out.reasons.append(reason("ESTIMATE.HOLD_UNTIL_DEPARTURE", self.waiting.peek().request_id,
+                                         "the head was refused; waits until a running request leaves"))
+
     @phase("charge_vtc")
     def _phase_charge_vtc(self, st: StepState) -> None:
         """VTC: the running phase's chunks are charged to their tenants, in running order (VTC.CHARGE)."""
@@ -1422,6 +1456,9 @@ class SpecEngine:
             st.out.estimate_rem = st.rem
         need = remaining + remaining_output(req, cfg) + bs
         if not estimate_admits(need, st.rem):
+            fresh = set(st.continued) | set(st.out.new) | set(st.out.resumed)  # not in SGLang's running batch yet
+            if self.plan_hold and any(rid not in fresh for rid in st.start):  # ESTIMATE.HOLD_UNTIL_DEPARTURE
+                self.hold = frozenset(r.request_id for r in self.running)
             st.out.reasons.append(reason("ESTIMATE.ADMIT", req.request_id,
                                          f"needs {need} tokens, {st.rem:.3f} estimated free "
                                          f"(new_token_ratio {self.new_token_ratio:.6f})"))

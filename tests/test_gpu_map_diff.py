@@ -54,7 +54,7 @@ MUST_FIRE = {
     "sglang": ("ESTIMATE.ADMIT", "ESTIMATE.RATIO", "RETRACT.VICTIM_FEWEST_OUTPUTS", "RETRACT.TO_TAIL",
                "RUN.CONTINUE_PREFILL_FIRST", "ESTIMATE.CONTINUED_CHUNK", "ESTIMATE.RUNNING_RATIO",
                "ARRIVE.CLIP_MAX_TOKENS", "REJECT.INPUT_LIMIT", "STOP.IGNORE_EOS_SCOPE", "ABORT.AFTER_NEXT_SAMPLE",
-               "CACHE.REGISTER_WHEN_COMPUTED"),
+               "CACHE.REGISTER_WHEN_COMPUTED", "ESTIMATE.HOLD_UNTIL_DEPARTURE"),
     "nano-vllm": ("RUN.CONTINUE_PREFILL_FIRST", "ADMIT.CHUNK_ONLY_FIRST", "ADMIT.RESERVE_SEQUENCE", "KV.FREE_TO_TAIL",
                   "CACHE.REGISTER_WHEN_COMPUTED", "CACHE.LATEST_WINS", "BATCH.MAX_NUM_SEQS_PER_STEP",
                   "PREEMPT.VICTIM_NEWEST"),
@@ -128,6 +128,8 @@ def test_mixed_knobs_agree():
                      abort_running=sgl.choice(("at-once", "after-next-sample")))
         if knobs["batching"] == "prefill-first" and sgl.random() < 0.3:
             knobs["prefill_chunking"] = "last-continues"
+        if knobs["admission"] == "estimate":
+            knobs["admission_hold"] = sgl.choice(("off", "until-departure"))
         trace = random_trace(seed, max_steps=MAX_STEPS, **knobs)
         result = replay(trace, "gpu", "exact")
         assert result.agreed, f"seed {seed} {knobs}: {result.divergence.describe()}"

@@ -100,7 +100,8 @@ def test_swap_order_is_by_arrival_not_by_preemption():
 # --------------------------------------------------------------------------
 
 SGL = {"profile": "sglang", "block_size": 1, "num_blocks": 31, "max_num_batched_tokens": 64,
-       "new_token_ratio_decay_steps": 2}  # 30 usable tokens; decay (0.7 - 0.098) / 2 = 0.301 a step
+       "new_token_ratio_decay_steps": 2,  # 30 usable tokens; decay (0.7 - 0.098) / 2 = 0.301 a step
+       "admission_hold": "off"}  # the head is re-tested every step (the profile's hold: tests/test_spec_sglang.py)
 
 
 def test_estimate_admission_new_token_ratio_and_retraction():
