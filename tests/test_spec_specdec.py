@@ -353,3 +353,19 @@ def test_the_log_checker_flags_a_wrong_accepted_count():
     assert not _check(t, records)
     records[1].accepted = {"A": 2}
     assert _check(t, records)
+
+
+def test_conform_rotates_a_knob_the_generator_never_draws():
+    """examples/vllm-v1-specdec.capabilities.json lists num_speculative_tokens 1-4 (not the
+    profile's 0): seed i's trace gets value i mod 4, and the rest of its draws are random_trace(i)'s."""
+    from fuzz.capabilities import load
+    from fuzz.conform import trace_for
+    from fuzz.generate import random_trace
+
+    envelope = load(EXAMPLES / "vllm-v1-specdec.capabilities.json")
+    for seed in range(8):
+        t = trace_for(seed, envelope)
+        assert resolve(t.config).num_speculative_tokens == [1, 2, 3, 4][seed % 4]
+        plain = random_trace(seed)
+        assert [(r.id, r.prompt_len, r.max_tokens) for r in t.requests] == \
+               [(r.id, r.prompt_len, r.max_tokens) for r in plain.requests]
