@@ -674,19 +674,24 @@ def report(out_dir: str, calibrate_rate: float | None = None, say=print) -> dict
     session = load_session(out / "session")
     replay = compare_decisions(session)
     say(replay.describe())
+    # calibrate_rate 0: every run's steps pooled (the session's average contention), else one run's
     cal_rate = calibrate_rate if calibrate_rate is not None else rates[len(rates) // 2]
-    cal_reqs, cal_res = loads[cal_rate]
+    cal_runs = list(loads) if cal_rate == 0 else [cal_rate]
+    cal_reqs = [r for rate in cal_runs for r in loads[rate][0]]
+    cal_res = [r for rate in cal_runs for r in loads[rate][1]]
+    label = "all" if cal_rate == 0 else f"{cal_rate:g}"
+    what = "every run" if cal_rate == 0 else f"the {cal_rate:g}/s run"
     rows = step_rows(session, {r.id for r in cal_reqs})
     # the same inputs for the CLI: batchspec calibrate rows-R.json --prefill-step [--robust]; batchspec simulate trace-R.jsonl
-    write_rows(rows, str(out / f"rows-{cal_rate:g}.json"))
+    write_rows(rows, str(out / f"rows-{label}.json"))
     for rate, (reqs, _) in loads.items():
         write_trace(as_timed_trace(reqs, session.knobs), out / f"trace-{rate:g}.jsonl")
     offset = front_end_latency(session, cal_res)
-    say(f"front-end latency (client TTFT - engine TTFT, median of the {cal_rate:g}/s run): {offset * 1e3:.1f} ms")
+    say(f"front-end latency (client TTFT - engine TTFT, median of {what}): {offset * 1e3:.1f} ms")
     fits, sections, result_fits = {}, [], {}
     for kind, robust in (("robust + measured stalls", True), ("robust", True), ("least-squares", False)):
-        fitted = fit(rows, name=f"vllm-cpu-tiny@{cal_rate:g}-{kind.split()[0]}", prefill_step=True, robust=robust,
-                     source=f"fitted to {len(rows)} steps of the {cal_rate:g}/s run")
+        fitted = fit(rows, name=f"vllm-cpu-tiny@{label}-{kind.split()[0]}", prefill_step=True, robust=robust,
+                     source=f"fitted to {len(rows)} steps of {what}")
         if kind.endswith("stalls"):
             stalls = residuals_ns(fitted.model, rows)
             points = [RatePoint(rate, client_metrics(res), predict_contended(reqs, session.knobs, fitted.model, stalls),
@@ -725,7 +730,7 @@ def report(out_dir: str, calibrate_rate: float | None = None, say=print) -> dict
     }
     text = "\n\n".join([
         f"# vLLM server check\n\n{replay.describe()}\n\ntokens: {tokens['equal']}/{tokens['prompts']} equal\n\n"
-        f"calibrated on the {cal_rate:g}/s run; front-end latency {offset * 1e3:.1f} ms", *sections]) + "\n"
+        f"calibrated on {what}; front-end latency {offset * 1e3:.1f} ms", *sections]) + "\n"
     _write_text(out / "report.md", text)
     _write_text(out / "report.json", json.dumps(result, indent=1, default=str) + "\n")
     say(text)
@@ -770,7 +775,7 @@ def add_check_arguments(ck) -> None:
                     help="request rates to replay the trace at, req/s (default 4,8,16,32)")
     ck.add_argument("--requests", type=int, default=160, metavar="N", help="requests per rate: the trace's first N (default 160)")
     ck.add_argument("--trace", default=DEFAULT_TRACE, help="trace with arrival times and lengths (default: Azure 2023 conversation)")
-    ck.add_argument("--calibrate-rate", type=float, metavar="R", help="the run whose step times calibrate the cost model (default: the middle rate)")
+    ck.add_argument("--calibrate-rate", type=float, metavar="R", help="the run whose step times calibrate the cost model (default: the middle rate; 0: every run pooled)")
     ck.add_argument("--length-scale", type=float, default=8.0, metavar="F", help="divide the trace's lengths by F (default 8)")
     ck.add_argument("--seed", type=int, default=0, help="weight seed of the model (default 0)")
     ck.add_argument("--port", type=int, default=ServerSettings.port, help=f"server port on 127.0.0.1 (default {ServerSettings.port})")
@@ -778,8 +783,8 @@ def add_check_arguments(ck) -> None:
 
 def run_check(args, error) -> int:
     """Run ``check`` from parsed :func:`add_check_arguments` options; ``error(msg)`` reports bad input."""
-    if args.calibrate_rate is not None and args.calibrate_rate not in args.rates:
-        return error(f"--calibrate-rate {args.calibrate_rate:g} is not one of --rates")
+    if args.calibrate_rate not in (None, 0) and args.calibrate_rate not in args.rates:
+        return error(f"--calibrate-rate {args.calibrate_rate:g} is not one of --rates (or 0: every run pooled)")
     if not 1 <= args.requests <= 10_000:
         return error(f"--requests {args.requests}: expected 1..10000")
     if not args.length_scale >= 1:
