@@ -528,8 +528,15 @@ def classify(result, engine: str) -> dict[str, Any]:
     # a knob (no admission in a step that preempted, ...) break when the engine has another value.
     explained = explaining_knobs(result.trace, result.engine_records, result.level, div.step)
     if explained:
-        documented = [(k, v) for k, v in explained if (engine, k, v) in DOCUMENTED]
-        knob, value = (documented or explained)[0]
+        # the likeliest explanation first: a documented value; then a knob the trace leaves at its
+        # profile's value (one the trace sets describes the scenario, not the engine); then a knob
+        # of the rule the spec applied where they differ (KV.FREE_ORDER: free_block_order)
+        from spec.rules import all_rules
+
+        rule = all_rules().get(div.rule or "")
+        own = set(getattr(rule, "knobs", ()) or ())
+        explained.sort(key=lambda kv: ((engine, *kv) not in DOCUMENTED, kv[0] in result.trace.config, kv[0] not in own))
+        knob, value = explained[0]
         doc = DOCUMENTED.get((engine, knob, value))
         also = [f"{k}={v}" for k, v in explained if (k, v) != (knob, value)]
         why = (f"the spec agrees with the engine's log under {knob}={value}"
