@@ -369,3 +369,20 @@ def test_conform_rotates_a_knob_the_generator_never_draws():
         plain = random_trace(seed)
         assert [(r.id, r.prompt_len, r.max_tokens) for r in t.requests] == \
                [(r.id, r.prompt_len, r.max_tokens) for r in plain.requests]
+
+
+def test_recorded_vllm_speculative_logs_keep_every_invariant():
+    """tests/corpus/vllm/vllm-specdec-*.log.jsonl (vLLM 0.32.0, scripts: the scenarios above and
+    four fuzzed traces with padded admissions, preemption and stops among accepted drafts) hold
+    no violation of the log checker; tests/test_fuzz_corpus.py replays them against the spec."""
+    from invariants.log_checker import check_log
+    from spec.io import load_log
+
+    corpus = Path(__file__).parent / "corpus"
+    traces = sorted(corpus.glob("vllm-specdec-*.jsonl"))
+    assert len(traces) >= 7
+    for path in traces:
+        t, log = load_trace(path), load_log(corpus / "vllm" / f"{path.stem}.log.jsonl")
+        assert log.engine == "vllm-0.32.0" and any(r.drafts for r in log.records)
+        broken = check_log(log, resolve(t.config), t).violations
+        assert not broken, (path.stem, [f"{v.invariant} at {v.step}: {v.evidence}" for v in broken[:3]])
