@@ -366,7 +366,8 @@ AT_FAULT: dict[str, tuple[str, ...]] = {
     "max_num_seqs_off_by_one": ("ADMIT.MAX_NUM_SEQS",),
     "touch_keeps_free": ("CACHE.TOUCH",),
     "evict_keeps_hash": ("CACHE.EVICT_LRU", "KV.POP_HEAD"),
-    "shared_prefix_freed_on_preempt": ("PREEMPT.RECOMPUTE", "KV.FREE_ORDER"),
+    # the release of a preempted request's blocks, by whichever preemption the step used
+    "shared_prefix_freed_on_preempt": ("PREEMPT.RECOMPUTE", "RETRACT.TO_TAIL", "SWAP.OUT", "KV.FREE_ORDER"),
     "victim_tokens_not_returned": ("PREEMPT.VICTIM_LOWEST_PRIORITY",),
     "abort_preempted_left_queued": ("ABORT.FREE",),
     "abort_swapped_leaks_cpu": ("ABORT.FREE",),

@@ -278,7 +278,7 @@ def group_signature(result: ReplayResult) -> Signature:
     spec's value (:func:`fuzz.diff.memory_rule`: a preemption's release, an abort, a prefix hit, an
     allocation), not the rule for what the request involved did in that step (``ADMIT.NEW``,
     ``RUN.PREFILL_CHUNK``), which is as incidental to a block-accounting bug as its id."""
-    from fuzz.diff import DECISION, _involved, _value, budget_giveback_rule, ghost, spec_reason
+    from fuzz.diff import DECISION, _involved, _value, budget_giveback_rule, decision_cause, ghost, spec_reason
     from fuzz.shrink import signature
     from spec.formats import StepRecord, fields_at
 
@@ -308,7 +308,8 @@ def group_signature(result: ReplayResult) -> Signature:
         if name in _CAUSE_FAMILIES:  # only a rule that decides this field names it (else "-", not an unrelated one)
             return (div.kind, name, _cause_rule(spec, request, name) or "-")
         giveback = budget_giveback_rule(spec, request)  # the budget this request got came from a victim's tokens
-        return (div.kind, name, giveback[0] if giveback else spec_reason(spec, request, name)[0] or "-")
+        cause = giveback[0] if giveback else decision_cause(name, spec, eng, request)
+        return (div.kind, name, cause or spec_reason(spec, request, name)[0] or "-")
     if div.field in _MEMORY_FIELDS:  # the memory event behind the spec's value (fuzz.diff.memory_rule)
         from fuzz.diff import memory_rule
 

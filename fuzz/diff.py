@@ -362,6 +362,29 @@ def ghost(spec: StepRecord | None, engine: StepRecord | None, history: list[Step
     return None
 
 
+def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None, request: str | None) -> str | None:
+    """The rule behind the spec's value when the two sides decided the same thing differently in
+    degree, not in kind — the request's own ``RUN.*`` / ``ADMIT.*`` reason says only that it ran:
+
+    * ``scheduled``, the request on both sides with a different token count: its prefix hit when the
+      two sides' hits differ (``CACHE.HIT``), else the token rule (``BUDGET.TOKENS``);
+    * ``resumed``, both sides resuming but not the same requests in the same order: the order
+      preempted requests wait in (``QUEUE.VICTIM_TO_FRONT``)."""
+    if spec is None or engine is None or request is None:
+        return None
+    if name == "scheduled":
+        a, b = dict(spec.scheduled), dict(engine.scheduled)
+        if request not in a or request not in b or a[request] == b[request]:
+            return None
+        hit_a, hit_b = (spec.cache_hits or {}).get(request), (engine.cache_hits or {}).get(request)
+        if request in list(spec.new) + list(spec.resumed) and hit_b is not None and hit_a != hit_b:
+            return "CACHE.HIT"
+        return "BUDGET.TOKENS"
+    if name == "resumed" and spec.resumed and engine.resumed and list(spec.resumed) != list(engine.resumed):
+        return "QUEUE.VICTIM_TO_FRONT"
+    return None
+
+
 #: Fields whose value for a request is the tokens (or the admission) the step's budget left it.
 _BUDGETED = ("scheduled", "new", "resumed")
 
@@ -443,8 +466,11 @@ def first_divergence(spec_records: Iterable[StepRecord], engine_records: Iterabl
                                   b if late[0] == name else _value(e_rec, late[0], e is None), late[1], late[2],
                                   f"the spec ended {late[1]} before this step ({late[2]})", DECISION, engine, context)
             giveback = budget_giveback_rule(s, request) if name in _BUDGETED else None
+            degree = decision_cause(name, s, e, request) if giveback is None else None
             if giveback is not None:
                 rule, text = giveback[0], f"{giveback[1]} was preempted after it was scheduled in this step: its tokens went back to the budget"
+            elif degree is not None:
+                rule, text = degree, f"the spec's {name} for {request} under {degree} ({text or 'no reason recorded'})"
             if name in _MEMORY_FIELDS:  # the memory event behind the value, not what the request did
                 cause, who, why = memory_rule(name, s, e, request, history)
                 if cause is not None:

@@ -178,3 +178,16 @@ def test_an_engine_running_a_request_the_spec_ended_is_named_by_the_rule_that_en
            StepRecord(4, scheduled=[("B", 1), ("A", 4)], resumed=["A"])]
     div = first_divergence(spec, eng, "decisions")
     assert (div.field, div.request, div.rule) == ("resumed", "A", "ABORT.FREE"), div.describe()
+
+
+def test_a_token_count_that_differs_is_named_by_the_token_rule_or_the_hit():
+    from fuzz.diff import first_divergence
+
+    mem = dict(num_free_blocks=3, blocks={}, num_evicted=0)
+    spec = [StepRecord(2, scheduled=[("A", 8)], new=["A"], cache_hits={"A": 4}, reasons=[reason("ADMIT.NEW", "A")], **mem)]
+    short = [StepRecord(2, scheduled=[("A", 7)], new=["A"], cache_hits={"A": 4}, **mem)]
+    hit = [StepRecord(2, scheduled=[("A", 4)], new=["A"], cache_hits={"A": 8}, **mem)]
+    assert first_divergence(spec, short, "memory").rule == "BUDGET.TOKENS"
+    assert first_divergence(spec, hit, "memory").rule == "CACHE.HIT"
+    other = [StepRecord(2, scheduled=[("B", 8)], new=["B"], cache_hits={"B": 4}, **mem)]
+    assert first_divergence(spec, other, "memory").rule == "ADMIT.NEW", "who runs, not how much: the request's own rule"
