@@ -321,3 +321,20 @@ def test_live_server_decisions_agree_with_the_spec(live_server):
     assert [r.error for r in results if r.error] == []
     result = compare_decisions(load_session(session_dir), "exact")
     assert result.agreed, result.describe()
+
+
+# ----------------------------------------------------------------------------- the commands
+
+
+def test_make_model_and_server_check_commands_refuse_bad_input(tmp_path, capsys):
+    from batchspec.cli import main
+
+    assert main(["make-model", str(tmp_path / "m"), "--seed", "2"]) == 0
+    assert (tmp_path / "m" / "model.safetensors").exists() and (tmp_path / "m" / "tokenizer.json").exists()
+    (tmp_path / "file").write_text("x")
+    assert main(["make-model", str(tmp_path / "file" / "m")]) == 2  # below a file: refused before writing
+    assert main(["server-check", "--out", str(tmp_path / "o"), "--rates", "4,8", "--calibrate-rate", "16"]) == 2
+    assert "--calibrate-rate 16 is not one of --rates" in capsys.readouterr().err
+    assert main(["server-check", "--out", str(tmp_path / "o"), "--rates", "4,-8"]) == 2
+    assert main(["server-check", "--out", str(tmp_path / "o"), "--requests", "0"]) == 2
+    assert not (tmp_path / "o").exists()  # nothing started, nothing written
