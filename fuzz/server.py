@@ -257,26 +257,30 @@ def completion_payload(req: ClientRequest, stream: bool = True) -> dict[str, Any
     return payload
 
 
+async def _stream(session, url: str, req: ClientRequest, result: ClientResult) -> None:
+    """POST one streaming completion; time every chunk that carries tokens."""
+    async with session.post(url, json=completion_payload(req)) as resp:
+        if resp.status != 200:
+            result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+            return
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            ids = (chunk.get("choices") or [{}])[0].get("token_ids") or []
+            if ids:
+                result.chunk_s.append(time.perf_counter())
+                result.tokens.extend(ids)
+
+
 async def _send(session, url: str, req: ClientRequest, t0: float, timeout_s: float) -> ClientResult:
     result = ClientResult(req.id, t0 + req.arrival_s)
     await asyncio.sleep(max(0.0, result.scheduled_s - time.perf_counter()))
     result.sent_s = time.perf_counter()
     try:
-        async with asyncio.timeout(timeout_s):
-            async with session.post(url, json=completion_payload(req)) as resp:
-                if resp.status != 200:
-                    result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                    return result
-                async for raw in resp.content:
-                    line = raw.decode().strip()
-                    if not line.startswith("data:") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[5:])
-                    ids = (chunk.get("choices") or [{}])[0].get("token_ids") or []
-                    if ids:
-                        result.chunk_s.append(time.perf_counter())
-                        result.tokens.extend(ids)
-    except TimeoutError:
+        await asyncio.wait_for(_stream(session, url, req, result), timeout_s)
+    except asyncio.TimeoutError:
         result.error = f"no complete answer within {timeout_s:.0f} s"
     except Exception as e:  # a connection error is a measurement, not a crash of the client
         result.error = f"{type(e).__name__}: {e}"
