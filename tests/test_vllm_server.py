@@ -24,7 +24,6 @@ from pathlib import Path
 import pytest
 
 from fuzz.server import (
-    ClientRequest,
     ClientResult,
     Session,
     client_metrics,
