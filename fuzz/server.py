@@ -18,13 +18,17 @@
    first saw it, from the recorder's ``events.jsonl``) replayed through the spec's
    ``vllm-v1`` profile with the server's knobs, and compared with the live log at the
    ``exact`` level (:func:`session_trace`, :func:`fuzz.replay.replay_records`);
-6. **simulator**: the step cost model fitted (:func:`fuzz.calibrate.fit`) to one run's
-   measured step times (the recorder's clock, one engine-loop cycle per step), then
-   ``spec.simulate`` predicts every rate's p50/p95/p99 TTFT and TPOT and queue growth,
-   compared with what the client measured (:func:`prediction_table`).
+6. **simulator**: the step cost model fitted (:func:`fuzz.calibrate.fit`, robust and
+   least squares, with ``per_prefill_step_s``) to one run's measured step times (the
+   recorder's clock, one engine-loop cycle per step; ``--calibrate-rate 0`` pools every
+   run), then ``spec.simulate`` predicts every rate's p50/p95/p99 TTFT and TPOT,
+   throughput and knee — also with the calibration run's stalls replayed
+   (:class:`ContendedCost`) and the measured front-end latency added to TTFT
+   (:func:`front_end_latency`) — against what the client measured (:func:`report`).
 
-Everything is bounded: a start-up deadline, a per-request timeout, a deadline for each
-load run, and the server is stopped (process group: SIGTERM, then SIGKILL) on any exit.
+Everything is bounded: a start-up deadline, a per-request timeout (so a load run ends by
+its last arrival plus that timeout), and the server is stopped (process group: SIGTERM,
+then SIGKILL) on any exit.
 The client and the comparison run in vLLM's virtual environment (``aiohttp`` comes with
 vLLM); the pure parts (workload, metrics, tables) import without vLLM.
 """
