@@ -817,20 +817,22 @@ class Scheduler:
             self.ratio = min(1.0, (outputs + c.retract_decode_steps * len(self.running))
                              / (xp.total(self.max_tokens[self.running]) + 1))
 
-    def _estimate_ok(self, extend: Array, slots: Array, rem: float) -> tuple[np.ndarray, np.ndarray]:
+    def _estimate_ok(self, extend: Array, slots: Array, rem: float, locked: Array) -> tuple[np.ndarray, np.ndarray]:
         """ESTIMATE.ADMIT for a window: ``(ok, rem_before)``, host float64.
 
         ``rem_before[j]`` = ``rem`` minus, one subtraction at a time, what each earlier
-        candidate reserves (``ceil_B(extend) + remaining_output + block_size``): an
-        accumulate, i.e. the same float roundings as a sequential loop."""
+        candidate reserves (``ceil_B(extend) + remaining_output + block_size + locked``): an
+        accumulate, i.e. the same float roundings as a sequential loop.  ``locked``: the tokens
+        of each candidate's hit that sit evictable (ESTIMATE.OWN_HIT_LOCKED), needed and charged."""
         bs = self.bs
         ext = self.be.host(extend)
+        lock = self.be.host(locked)
         out = self._remaining_output(slots)
         steps = np.empty(len(ext) + 1)
         steps[0] = rem
-        steps[1:] = -(cdiv(ext, bs) * bs + out + bs).astype(np.float64)
+        steps[1:] = -(cdiv(ext, bs) * bs + out + bs + lock).astype(np.float64)
         before = np.add.accumulate(steps)
-        return ext + out + bs < before[:-1], before
+        return ext + out + bs + lock < before[:-1], before
 
     def _remaining_output(self, slots: Array) -> np.ndarray:
         """ESTIMATE.REMAINING: ``min(max(max_tokens - outputs, 0), clip_max_new_tokens)`` (host)."""
@@ -1081,7 +1083,7 @@ class Scheduler:
             if rem is not None:
                 if batch.estimate_rem is None:
                     batch.estimate_rem = rem
-                ok, before = self._estimate_ok(ntok - nhit * self.bs, cand, rem)
+                ok, before = self._estimate_ok(ntok - nhit * self.bs, cand, rem, evictable * self.bs)
                 e = xp.first_true(~ok)
                 count = min(count, e)
                 rem = float(before[count])

@@ -498,21 +498,25 @@ VLLM_V0_SWAP = _derived(
     enable_prefix_caching=False, preemption_mode="swap", num_cpu_blocks=256,
 )
 SGLANG = _derived(
-    "sglang", "0.4", "SGLang's scheduler: a prefill batch whenever one can be formed, else decode; admission against "
-    "free + evictable memory minus the running requests' new_token_ratio-estimated remaining output; "
-    "retraction of the request with the fewest output tokens (ties: longest prompt) when a decode lacks memory",
-    ("sgl-project/sglang schedule_policy.py PrefillAdder, schedule_batch.py retract_decode / check_decode_mem, "
-     "scheduler.py update_running_batch, global_config.py (init 0.7, min factor 0.14, 600 decay steps, "
-     "retract_decode_steps 20), via docs/reference/other-schedulers.md §2.1",),
+    "sglang", "0.5.23", "SGLang's scheduler with its normal (non-overlap) event loop: a prefill batch whenever one can "
+    "be formed, the chunked request first, else decode; admission against free + evictable memory minus the running "
+    "requests' new_token_ratio-estimated remaining output, held after a refusal until a running request leaves; "
+    "retraction of the request with the fewest output tokens (ties: longest prompt) when a decode lacks memory; "
+    "SGLang's input limit and max_new_tokens clip at arrival",
+    ("sglang 0.5.23 (PyPI) srt/managers/schedule_policy.py PrefillAdder, scheduler.py get_next_batch_to_run / "
+     "_get_new_batch_prefill_raw / update_running_batch / init_req_max_new_tokens / abort_request, schedule_batch.py "
+     "retract_decode / Req._check_token_based_finish, scheduler_components/new_token_ratio_tracker.py; checked by "
+     "fuzz/sglang_adapter.py (docs/conformance.md, SGLang section)",),
     {"page_size": "1 (SGLang's default): block_size = 1, so allocation is per token",
      "radix cache": "the spec's hash-chained block cache stands in for RadixCache (per-token pages: same hits up to the "
-                    "last token)",
-     "chunked prefill": "off: the spec's prefill-first batching does not serve an in-flight chunk first as SGLang's "
-                        "chunked_req does",
-     "max_prefill_tokens": "16384 = max_num_batched_tokens",
+                    "last token); SGLang evicts whole LRU leaves, the spec single blocks (docs/conformance.md #8)",
+     "chunked prefill": "on (SGLang's default): the request on which the budget runs out is cut and continues first "
+                        "(prefill_chunking=last-continues); chunked_prefill_size = max_prefill_tokens = "
+                        "max_num_batched_tokens",
      "schedule_conservativeness": "1.0 (new_token_ratio_init = min(0.7 x 1.0, 1))",
      "retracted requests": "go to the tail of the waiting queue (SGLang's _add_request_to_queue); FCFS does not re-sort",
-     "prefix lock recheck": "not modelled: an evictable prefix hit still counts as free in rem_total_tokens",
+     "prefix lock recheck": "not modelled: an evictable prefix hit still counts as free in rem_total_tokens (#10)",
+     "overlap scheduler": "off (disable_overlap_schedule): the spec's synchronous step",
      "enable_mixed_chunk": "off", "policy": "fcfs (SGLang's default; lpm/dfs-weight not modelled)",
      "block 0": "reserved as the padding slot (null block)"},
     batching="prefill-first", admission="estimate", enable_chunked_prefill=True, max_num_batched_tokens=16384,

@@ -412,6 +412,17 @@ def running_ratio(req: Request, ratio: float) -> float:
     return 1.0 if req.source.ignore_eos else ratio
 
 
+@rule("ESTIMATE.OWN_HIT_LOCKED", knobs=("admission", "enable_prefix_caching"), applies=bool)
+def own_hit_locked(hit_blocks, block_size: int) -> int:
+    """Under admission="estimate", while a waiting request's admission is tested its own prefix
+    hit is locked: the hit blocks that sit evictable in the free queue (reference count 0) do
+    not count as free memory for it, and once it is admitted they are in use.  ESTIMATE.ADMIT
+    adds their tokens to what the candidate needs and charges them with its admission
+    (SGLang's add_one_req tests under ``_lock_node(req.last_node)``, and the admitted request's
+    lock removes them from evictable_size).  Returns those tokens."""
+    return sum(1 for b in hit_blocks if b.ref_cnt == 0) * block_size
+
+
 @rule("ESTIMATE.CONTINUED_CHUNK", knobs=("admission", "prefill_chunking"))
 def continued_chunk_charge(n: int, last: bool, req: Request, cfg: SchedulerConfig) -> int:
     """Under admission="estimate", a prefill continued first in a step (RUN.CONTINUE_PREFILL_FIRST)
@@ -1454,7 +1465,8 @@ class SpecEngine:
         if st.rem is None:
             st.rem = self._estimate_rem(st)
             st.out.estimate_rem = st.rem
-        need = remaining + remaining_output(req, cfg) + bs
+        locked = own_hit_locked(self.kv.get_computed_blocks(req)[0], bs)  # ESTIMATE.OWN_HIT_LOCKED
+        need = remaining + remaining_output(req, cfg) + bs + locked
         if not estimate_admits(need, st.rem):
             fresh = set(st.continued) | set(st.out.new) | set(st.out.resumed)  # not in SGLang's running batch yet
             if self.plan_hold and any(rid not in fresh for rid in st.start):  # ESTIMATE.HOLD_UNTIL_DEPARTURE
@@ -1463,7 +1475,7 @@ class SpecEngine:
                                          f"needs {need} tokens, {st.rem:.3f} estimated free "
                                          f"(new_token_ratio {self.new_token_ratio:.6f})"))
             return False
-        st.rem -= cdiv(remaining, bs) * bs + remaining_output(req, cfg) + bs
+        st.rem -= cdiv(remaining, bs) * bs + remaining_output(req, cfg) + bs + locked
         return True
 
     def _estimate_rem(self, st: StepState) -> float:
