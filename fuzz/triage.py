@@ -452,8 +452,9 @@ def engine_run_livelock(result, records: list[StepRecord], cycle: Livelock):
     repetition, for the report."""
     first = result.divergence
     keep = [r for r in records if r.step <= cycle.start + 2 * cycle.period]
+    # the rule is the first differing decision's: a livelock is where the bug shows, not where it is (issue 18 item 3)
     found = Divergence(cycle.start, "livelock", f"(the logs first differ at step {first.step}, field {first.field})",
-                       cycle.describe(), kind=LIVELOCK, engine=result.engine)
+                       cycle.describe(), rule=first.rule, kind=LIVELOCK, engine=result.engine)
     notes = [*result.notes, f"livelock: {cycle.describe()}; the first differing decision was at step {first.step} "
                             f"(field {first.field})"]
     return dataclasses.replace(result, divergence=found, engine_records=keep, notes=notes)
