@@ -82,7 +82,7 @@ RELEASES = {"0.32.0": "vllm-v1", "0.33.0": "vllm-v1-0.33"}
 #: Knobs whose value is a property of the release, not of the configuration: the engine
 #: ``vllm`` refuses a trace that asks for another value than the installed release has,
 #: ``vllm-release`` runs the release as it is (for comparing two releases on one trace set).
-RELEASE_KNOBS = ("priority_self_preempt",)
+RELEASE_KNOBS = ("priority_self_preempt", "spec_cache_at_output")
 
 #: Knobs the adapter maps onto vLLM's own configuration (see :func:`build_scheduler`);
 #: ``reject_unservable`` is applied by the adapter itself, ``max_steps`` by the driver.
@@ -100,6 +100,8 @@ FIXED_BY_VLLM = {
     "admit_after_preempt": "vLLM V1 never admits in a step that preempted",
     "priority_self_preempt": "vLLM 0.32 ends the running phase when a request preempts itself, 0.33 continues "
                              "(a property of the release; engine vllm-release runs the release as it is)",
+    "spec_cache_at_output": "vLLM 0.32 caches accepted drafts' blocks at the next allocation, 0.33 when the output "
+                            "is applied (a property of the release)",
     "batching": "vLLM V1 batches continuously: running requests first, then admissions",
     "kv_reservation": "vLLM V1 allocates blocks step by step as a request grows",
 }
@@ -215,6 +217,8 @@ def check_supported(cfg: SchedulerConfig, release_as_is: bool = False) -> None:
     for f in fields(cfg):
         if f.name == "profile" or f.name in MAPPED_KNOBS or (release_as_is and f.name in RELEASE_KNOBS):
             continue
+        if f.name == "spec_cache_at_output" and not cfg.num_speculative_tokens:
+            continue  # it acts only with speculative decoding: any value runs the same without it
         if getattr(cfg, f.name) != getattr(base, f.name):
             why = FIXED_BY_VLLM.get(f.name, "the adapter does not map this knob to vLLM")
             raise EngineConfigError(f"{f.name}={getattr(cfg, f.name)!r} cannot be run on vLLM {release} "

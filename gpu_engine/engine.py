@@ -73,6 +73,7 @@ SUPPORTED: dict[str, frozenset | None] = {
     "priority_self_preempt": frozenset({"stop", "continue"}),
     "async_scheduling": frozenset({False, True}),  # True: scheduler-only mode (no model)
     "max_num_active_seqs": None, "long_prefill_token_threshold_adaptive": None,
+    "spec_cache_at_output": None,  # any value: it acts only with num_speculative_tokens > 0, which is refused
 }
 
 #: Request fields of the trace format gpu_engine does not implement yet (issue 15 item 3),

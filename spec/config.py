@@ -207,6 +207,11 @@ class SchedulerConfig:
     #: A decode schedules 1 + K tokens, the model accepts some drafts and rejected ones are
     #: rolled back (vLLM's speculative_config num_speculative_tokens, n-gram drafter).
     num_speculative_tokens: int = 0
+    #: With speculative decoding and synchronous scheduling, when the blocks filled by accepted
+    #: drafts enter the prefix cache (rule SPEC.CACHE_AT_OUTPUT): False — at the request's next
+    #: allocation (vLLM 0.32: only allocations cache); True — as soon as the step's output is
+    #: applied, before a stop frees the request (vLLM 0.33's update_from_output).
+    spec_cache_at_output: bool = False
 
     # --- harness ----------------------------------------------------------
     #: Steps after which a run is abandoned as non-terminating.
@@ -390,8 +395,10 @@ def speculative_rules(cfg: "SchedulerConfig") -> tuple[str, ...]:
     if not cfg.num_speculative_tokens:
         return ()
     propose = "SPEC.ASYNC_DRAFT_PLACEHOLDERS" if cfg.async_scheduling else "SPEC.PROPOSE"
+    # async scheduling caches at output anyway (ASYNC.CACHE_AFTER_OUTPUT), in either release
+    at_output = ("SPEC.CACHE_AT_OUTPUT",) if cfg.spec_cache_at_output and not cfg.async_scheduling else ()
     return (propose, "SPEC.DRAFT_SCHEDULE", "SPEC.PAD_ADMISSION", "SPEC.ACCEPT", "SPEC.ROLLBACK",
-            "SPEC.PREEMPT_DISCARDS")
+            "SPEC.PREEMPT_DISCARDS", *at_output)
 
 
 @dataclass(frozen=True)
@@ -603,8 +610,10 @@ VLLM_V1_033 = _derived(
      "docs/reference/vllm-v1.md section \"0.32 -> 0.33\" for every scheduler change between the two releases",),
     {**VLLM_V1.fixed,
      "priority_self_preempt": "continue (0.33.0; 0.32.0 stops: profile vllm-v1)",
+     "spec_cache_at_output": "true (0.33.0 caches a speculative request's blocks when its output is applied; "
+                             "0.32.0 at its next allocation)",
      "prefill_schedule_interval": "1: 0.33 applies an interval > 1 locally too (no prefill cadence at 1)"},
-    priority_self_preempt="continue",
+    priority_self_preempt="continue", spec_cache_at_output=True,
 )
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (VLLM_V1, NAIVE, STATIC, VLLM_V0, ORCA, TGI, VLLM_V0_SWAP, SGLANG,

@@ -917,8 +917,10 @@ class SpecEngine:
             self.after_schedule.append(self._number_verifications)
         if "SPEC.ASYNC_DRAFT_PLACEHOLDERS" in rules:
             self.after_schedule.append(self._draft_placeholders)
-        #: run on a sampler's output after its first token: verified drafts (SPEC.ROLLBACK)
-        self.verify_drafts = [self._verify_drafts] if "SPEC.ROLLBACK" in rules else []
+        #: run on a sampler's output after its first token: verified drafts (SPEC.ROLLBACK), then
+        #: the blocks they filled cached (SPEC.CACHE_AT_OUTPUT)
+        self.verify_drafts = ([self._verify_drafts] if "SPEC.ROLLBACK" in rules else []) + \
+            ([self._cache_at_output] if "SPEC.CACHE_AT_OUTPUT" in rules else [])
         #: run on each request still running after its output was applied (SPEC.PROPOSE)
         self.after_output = [self._propose] if "SPEC.PROPOSE" in rules else []
         if "SPEC.PREEMPT_DISCARDS" in rules:
@@ -1706,6 +1708,12 @@ class SpecEngine:
             return why
         more = specdec.draft_tokens(req, len(req.output_token_ids), s.accepted, self.vocab_size, self.eos_token_id)
         return specdec.append_outputs(req, more, lambda r, t: check_stop(r, t, self.config))[1]
+
+    def _cache_at_output(self, req: Request, s: ScheduledRequest, why: str | None) -> str | None:
+        """SPEC.CACHE_AT_OUTPUT: a running request's full blocks up to its computed tokens are cached
+        once its output is applied, before a stop frees it."""
+        specdec.cache_at_output(self.kv, req)
+        return why
 
     def _record_drafts(self, record: StepRecord, out: SchedulerOutput) -> None:
         """The decisions-level fields ``drafts`` (this step's batch) and ``accepted`` (the

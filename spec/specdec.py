@@ -178,6 +178,20 @@ def discard_drafts(req: "Request") -> None:
     req.spec_drafts = 0
 
 
+@rule("SPEC.CACHE_AT_OUTPUT", knobs=("spec_cache_at_output", "num_speculative_tokens", "enable_prefix_caching"))
+def cache_at_output(kv, req: "Request") -> None:
+    """With ``spec_cache_at_output`` (vLLM 0.33) and synchronous scheduling, when a running
+    request's output is applied its full blocks up to its computed tokens (after the rollback,
+    less the tokens a stop dropped: ``num_tokens - 1``) enter the prefix cache at once — the
+    blocks its accepted drafts filled, before a stop frees the request — instead of at its next
+    allocation (0.32, SPEC.CACHE_VERIFIED).  A request that stops there leaves those blocks
+    cached, at the tail of the free queue, where later requests can hit them (vLLM 0.33
+    ``update_from_output``: ``cache_blocks(request, num_computed_tokens - num_in_flight_tokens)``
+    whenever speculative decoding is on, after ``_update_request_with_output`` took the dropped
+    tokens back from ``num_computed_tokens``)."""
+    kv.cache_blocks(req, min(req.num_computed_tokens, req.num_tokens - 1))
+
+
 def verified(drafts: int, accepted: int) -> str:
     """The reason text of one verification (SPEC.ACCEPT, SPEC.ROLLBACK)."""
     rejected = drafts - accepted

@@ -305,7 +305,7 @@ def test_vllm_asserts_on_a_padded_admission_cut_by_the_long_prefill_cap(monkeypa
     from spec.config import PROFILES
     from spec.protocol import drive
 
-    cfg = dataclasses.replace(PROFILES["vllm-v1"].config, num_blocks=32, block_size=4, max_num_batched_tokens=32,
+    cfg = dataclasses.replace(PROFILES[adapter.RELEASES[adapter.installed_release()]].config, num_blocks=32, block_size=4, max_num_batched_tokens=32,
                               max_num_seqs=8, max_model_len=64, num_speculative_tokens=3,
                               long_prefill_token_threshold=2, enable_prefix_caching=True)
     with pytest.raises(ConfigError, match="long_prefill_token_threshold"):
@@ -386,3 +386,36 @@ def test_recorded_vllm_speculative_logs_keep_every_invariant():
         assert log.engine == "vllm-0.32.0" and any(r.drafts for r in log.records)
         broken = check_log(log, resolve(t.config), t).violations
         assert not broken, (path.stem, [f"{v.invariant} at {v.step}: {v.evidence}" for v in broken[:3]])
+
+
+# -- when accepted drafts' blocks are cached: 0.32 vs 0.33 (SPEC.CACHE_AT_OUTPUT) ---------------
+
+#: Prefix caching, K=3, A: prompt 10..15, outputs 20, 21, 22, 23 scripted, max_tokens 4, every
+#: draft accepted.  Step 0 prefills A (its first block cached at allocation).  Step 1 schedules
+#: 1 + 3 (computed 6 -> 10) when A knows 7 tokens: the allocation caches nothing new; the 4
+#: verified tokens stop at max_tokens after the third (10 tokens known).  vLLM 0.32 never
+#: allocates for A again, so A's second block (14, 15, 20, 21) is never cached; 0.33 caches up
+#: to num_tokens - 1 = 9 when the output is applied: the second block too.  B (10 tokens
+#: starting with those 8) arrives at step 3 and hits 4 tokens under 0.32, 8 under 0.33.
+CACHED = ({"num_speculative_tokens": 3, "enable_prefix_caching": True},
+          R("A", [10, 11, 12, 13, 14, 15], 4, output_tokens=(20, 21, 22, 23)),
+          R("B", [10, 11, 12, 13, 14, 15, 20, 21, 22, 30], 2, at=3))
+CACHED_HIT = {"vllm-v1": 4, "vllm-v1-0.33": 8}
+
+
+@pytest.mark.parametrize("profile", sorted(CACHED_HIT))
+def test_accepted_drafts_blocks_are_cached_when_the_release_caches_them(profile):
+    cfg, *requests = CACHED
+    records = steps({**cfg, "profile": profile, "spec_cache_at_output": profile == "vllm-v1-0.33"}, *requests)
+    assert records[1].finished == [("A", "max_tokens")]
+    assert records[1].cache_registered == ({"A": [1]} if profile == "vllm-v1-0.33" else {})
+    assert {rid: n for r in records.values() for rid, n in r.cache_hits.items()}["B"] == CACHED_HIT[profile]
+
+
+@pytest.mark.vllm
+def test_vllm_caches_accepted_drafts_blocks_as_its_release_does():
+    from fuzz.vllm_adapter import RELEASES, installed_release
+
+    records = _vllm_records(*CACHED)
+    hits = {rid: n for r in records.values() for rid, n in (r.cache_hits or {}).items()}
+    assert hits["B"] == CACHED_HIT[RELEASES[installed_release()]]

@@ -18,11 +18,13 @@ from spec.config import PROFILES, resolve
 TRACE = Path(__file__).parent / "corpus" / "vllm-priority-self-preempt.jsonl"
 
 
-def test_0_33_profile_is_vllm_v1_with_the_release_knob():
+def test_0_33_profile_is_vllm_v1_with_the_release_knobs():
     old, new = resolve({"profile": "vllm-v1"}).to_json(), resolve({"profile": "vllm-v1-0.33"}).to_json()
     changed = {k for k in old if old[k] != new[k]}
-    assert changed == {"profile", "priority_self_preempt"}
+    assert changed == {"profile", "priority_self_preempt", "spec_cache_at_output"}
     assert (old["priority_self_preempt"], new["priority_self_preempt"]) == ("stop", "continue")
+    # speculative decoding only (SPEC.CACHE_AT_OUTPUT): when accepted drafts' blocks are cached
+    assert (old["spec_cache_at_output"], new["spec_cache_at_output"]) == (False, True)
     assert PROFILES["vllm-v1-0.33"].version == "0.33.0" and PROFILES["vllm-v1"].version == "0.32.0"
 
 
