@@ -188,6 +188,27 @@ def test_fixed_differences_agree_with_their_recorded_sglang_log(name):
     assert f"tests/corpus/sglang/agree/{name}.jsonl" in (ROOT / "docs" / "conformance.md").read_text()
 
 
+def test_finding_ignore_eos_without_radix_cache_stalls_an_idle_sglang():
+    """A recorded finding (docs/conformance.md, SGLang findings): with the radix cache off SGLang
+    admits an ignore_eos request through add_one_req_ignore_eos, whose reserve refuses this one
+    even into an empty engine, forever.  The log checker flags SGLang's log (an idle stall); the
+    sglang profile admits the request at once and the replay diverges at step 0."""
+    from fuzz.replay import replay_records
+    from invariants.log_checker import check_log
+    from spec.config import resolve
+    from spec.io import load_log, load_trace
+
+    base = ROOT / "tests" / "corpus" / "sglang" / "findings" / "ignore-eos-no-cache-stall"
+    trace, log = load_trace(f"{base}.jsonl"), load_log(f"{base}.log.jsonl")
+    assert log.engine == "sglang-0.5.23" and len(log.records) == 20
+    assert all(not rec.scheduled and not rec.new for rec in log.records)
+    found = {v.invariant for v in check_log(log, resolve(trace.config), trace).violations}
+    assert "LIVE.NO_IDLE_STALL" in found
+    result = replay_records(trace, log.records, "decisions", engine="sglang")
+    assert (result.divergence.step, result.divergence.field) == (0, "scheduled")
+    assert "tests/corpus/sglang/findings/ignore-eos-no-cache-stall.jsonl" in (ROOT / "docs" / "conformance.md").read_text()
+
+
 def test_engine_refused_in_one_line_without_sglang():
     """Where SGLang cannot be imported, ``--engine sglang`` exits 2 with one line saying so."""
     code = (
