@@ -183,6 +183,7 @@ class Scheduler:
         self._steady_batch = None  # (num_tokens, start, samples) of this step's :meth:`_decode_all`
         self._slack = None  # (sampling slots, clock, min(stop_at - num_tokens)) of the last update
         self._empty = self.be.empty_int()  # a step's empty phases (shared: nothing writes into a 0-length array)
+        self._plan = None  # a steady decode streak's block events by phase: see _phase_plan
         self.log_state = False  # the engine logs the optional state fields (set by GpuEngine)
         self.registered: dict[str, list[int]] = {}  # logged state: request -> block ordinals registered this step
         # async scheduling: a step's sampled tokens are known one step later; until then each is a
@@ -570,7 +571,10 @@ class Scheduler:
         todo = xp.nonzero(full > cached)
         if len(todo) == 0:
             return
-        ts, lo, hi = slots[todo], cached[todo], full[todo]
+        self._register_full(slots[todo], cached[todo], full[todo])
+
+    def _register_full(self, ts: Array, lo: Array, hi: Array) -> None:
+        """Register blocks ``lo[i] .. hi[i] - 1`` of each slot ``ts[i]`` (all full, hashed)."""
         ts_l, lo_l, hi_l = xp.to_list(ts), xp.to_list(lo), xp.to_list(hi)  # (the hash map is on the host)
         chains = self.hashes
         if sum(hi_l) - sum(lo_l) == len(ts_l):  # one new full block each (the steady state; every hi > lo)
@@ -1019,19 +1023,77 @@ class Scheduler:
         the preemption point, nothing having changed)."""
         run = self.running
         ones, all_true = self._steady_arrays(len(run))
-        ntok, held = self.num_tokens[run], self.num_blocks[run]
-        grow = xp.nonzero(F.decode_grows(ntok, held, self.bs))  # (each of them needs one block)
+        ntok = self.num_tokens[run]
+        plan = self._phase_plan(run)
+        if plan is not None:  # the same requests as last step, one token further (see _phase_plan)
+            grow, todo = plan.get(1), plan.get(0)
+            held = self.num_blocks[run[grow]] if len(grow) else grow
+        else:
+            held = self.num_blocks[run]
+            grow = xp.nonzero(F.decode_grows(ntok, held, self.bs))  # (each of them needs one block)
+            held = held[grow]
         if len(grow) > self.pool.num_free:
+            self._plan = None
             return None
         if self.pool.latest_wins:
-            self._allocate_cached(run, xp.as_int(F.decode_grows(ntok, held, self.bs)), ntok)
+            self._allocate_cached(run, xp.as_int(F.decode_grows(ntok, self.num_blocks[run], self.bs)), ntok)
         else:
             if len(grow):
-                self._allocate(run[grow], ones[:len(grow)], len(grow), held[grow])
+                self._allocate(run[grow], ones[:len(grow)], len(grow), held)
             if not self.register_computed:  # CACHE.REGISTER_AT_ALLOCATION; every t < L, so t // bs blocks are held
-                self._cache_blocks(run, ntok, ntok // self.bs)
+                if plan is None:
+                    self._cache_blocks(run, ntok, ntok // self.bs)
+                elif self.caching and len(todo):
+                    ts = run[todo]
+                    lo = self.num_cached_blocks[ts]
+                    self._register_full(ts, lo, lo + ones[:len(todo)])
         self._steady_batch = (ntok, self.num_computed_tokens[run], all_true)  # (computed = t - 1: a gather, not a subtraction)
+        self._note_steady(run)
         return run, ones, budget - len(run), []
+
+    def _note_steady(self, run: Array) -> None:
+        """After a steady step's schedule: start or extend the streak :meth:`_phase_plan` reads."""
+        plan, clock = self._plan, self.clock
+        if plan is not None and plan[0] is run and plan[1] == clock - 1:
+            plan[1] = clock
+            return
+        if plan is not None and plan[0] is run and plan[1] == clock:  # (the plan's own first step)
+            return
+        self._plan = [run, clock, None, 0]  # (run, last steady clock, phases, clock they are for)
+
+    def _phase_plan(self, run: Array):
+        """Steady decode continued: the last step (clock - 1) was steady decode of this same
+        running array, so each request gained exactly one token since, and nothing else changed
+        its blocks.  Then with ``t`` its tokens at this step's start and ``p = t mod bs``, its
+        block events are periodic in the step number: it pops a block iff ``t - 1`` is a multiple
+        of bs (:func:`formulas.decode_grows` with ``held = cdiv(t - 1, bs)``), registers one iff
+        ``t`` is (``num_cached_blocks = (t - 1) // bs``), and the token appended in this step's
+        update fills one iff ``t + 1`` is.  The positions by phase are made once per streak (on
+        its third step, checked against ``held`` and ``num_cached_blocks`` that the closed forms
+        hold: not under full reservation, registration when computed, or latest-wins), then
+        each step is three look-ups: ``{1: pops, 0: registers, -1: fills}``; None otherwise."""
+        plan, clock, bs = self._plan, self.clock, self.bs
+        if plan is None or plan[0] is not run or plan[1] != clock - 1 or len(run) < 4:
+            return None
+        if plan[2] is None:
+            if plan[3] == 0:  # the streak's second step: build next time (short streaks pay nothing)
+                plan[3] = -1
+                return None
+            if plan[3] == -2:  # (the closed forms do not hold for this streak)
+                return None
+            t = self.num_tokens[run]
+            exact = (not self.pool.latest_wins and not self.register_computed
+                     and xp.all_true(self.num_blocks[run] == F.cdiv(t - 1, bs))
+                     and (not self.caching or xp.all_true(self.num_cached_blocks[run] == (t - 1) // bs)))
+            if not exact:
+                plan[3] = -2
+                return None
+            groups: dict[int, list[int]] = {}
+            for i, p in enumerate(xp.to_list(t % bs)):
+                groups.setdefault(p, []).append(i)
+            plan[2], plan[3] = {p: self.be.asarray(g) for p, g in groups.items()}, clock
+        phases, d, empty = plan[2], clock - plan[3], self._empty
+        return {k: phases.get((k - d) % bs, empty) for k in (1, 0, -1)}
 
     def _steady_arrays(self, n: int) -> tuple:
         """Read-only ``ones(n)`` and ``all-True(n)`` arrays, made once per length."""
@@ -1266,10 +1328,14 @@ class Scheduler:
         if pending is not None and fin_mask is not None:  # ABORT.AFTER_NEXT_SAMPLE: no stop rule for them
             fin_mask = fin_mask & ~pending
         if self.caching:
-            full = ntok % self.bs == 0
-            if fin_mask is not None:
-                full &= ~fin_mask
-            grow = xp.nonzero(full)
+            plan = self._plan
+            if fin_mask is None and plan is not None and plan[2] is not None and plan[0] is smp and plan[1] == self.clock:
+                grow = plan[2].get((-1 - (self.clock - plan[3])) % self.bs, self._empty)  # (see _phase_plan)
+            else:
+                full = ntok % self.bs == 0
+                if fin_mask is not None:
+                    full &= ~fin_mask
+                grow = xp.nonzero(full)
             if len(grow):
                 self._extend_chains(smp[grow], ntok[grow])
         if fin_mask is None or not xp.any_true(fin_mask):
