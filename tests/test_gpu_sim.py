@@ -132,3 +132,14 @@ def test_nano_vllm_decode_spans_only_with_registration_at_allocation(azure):
     assert engine_steps == spec.steps
     spec, _, engine_steps = _same(trace, "nano-vllm", cache_register="allocation", **knobs)
     assert engine_steps < spec.steps
+
+
+def test_primed_tokens_equal_the_trace_rule():
+    """Prompts and outputs synthesized in bulk runs (one affine CRC per index, :func:`_crc_runs`)
+    equal each request's own token rule, across digit-count boundaries and shared prefixes."""
+    reqs = [TraceRequest(id=f"p{i}", prompt_len=7 + 131 * i, max_tokens=3 + 97 * i, prefix_group="g" if i % 2 else None,
+                         prefix_len=40) for i in range(12)]
+    SE.prime_prompts(reqs, 5000)
+    for r in reqs:
+        assert SE.prompt_tokens(r, 5000) == r.prompt_token_ids(5000)
+        assert SE.output_tokens(r, 0, r.max_tokens, 5000).tolist() == [r.output_token(i, 5000) for i in range(r.max_tokens)]
