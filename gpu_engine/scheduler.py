@@ -1056,10 +1056,8 @@ class Scheduler:
         plan, clock = self._plan, self.clock
         if plan is not None and plan[0] is run and plan[1] == clock - 1:
             plan[1] = clock
-            return
-        if plan is not None and plan[0] is run and plan[1] == clock:  # (the plan's own first step)
-            return
-        self._plan = [run, clock, None, 0]  # (run, last steady clock, phases, clock they are for)
+        else:  # (run, last steady clock, phases by token phase, the clock they are for; 0/-1/-2: not yet made)
+            self._plan = [run, clock, None, 0]
 
     def _phase_plan(self, run: Array):
         """Steady decode continued: the last step (clock - 1) was steady decode of this same
