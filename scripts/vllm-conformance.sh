@@ -12,4 +12,4 @@ if ! "$V/bin/python" -c "import vllm" 2>/dev/null; then
 fi
 "$V/bin/pip" install -q -e . --no-deps
 "$V/bin/pip" install -q jsonschema rich pytest hypothesis numpy
-"$V/bin/python" -m pytest -m vllm tests/test_vllm_conformance.py
+"$V/bin/python" -m pytest -m vllm tests/test_vllm_conformance.py tests/test_spec_specdec.py
