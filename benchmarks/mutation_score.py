@@ -201,16 +201,11 @@ def _admit_after_preempt():
 
 
 def _max_num_seqs_off_by_one():
-    orig = Scheduler._schedule_waiting
+    orig = Scheduler._room  # (the admission limit is kept on the scheduler: _room is where it binds)
 
-    def _schedule_waiting(self, batch, budget, cap, *rest):
-        real = self.config
-        self.config = dataclasses.replace(real, max_num_seqs=real.max_num_seqs + 1)  # BUG: <= instead of <
-        try:
-            return orig(self, batch, budget, cap, *rest)
-        finally:
-            self.config = real
-    return [(Scheduler, "_schedule_waiting", _schedule_waiting)]
+    def _room(self, scheduled):
+        return orig(self, scheduled) + 1  # BUG: <= instead of <
+    return [(Scheduler, "_room", _room)]
 
 
 def _touch_keeps_free():
@@ -361,7 +356,7 @@ AT_FAULT: dict[str, tuple[str, ...]] = {
     "free_not_reversed": ("KV.FREE_REVERSED",),
     "watermark_ignored": ("ADMIT.WATERMARK",),
     "lone_request_capped": ("BUDGET.LONG_PREFILL",),
-    "length_before_eos": ("STOP.EOS", "STOP.STOP_TOKEN"),
+    "length_before_eos": ("STOP.EOS", "STOP.STOP_TOKEN", "STOP.LENGTH"),  # STOP.LENGTH states the order: after EOS
     "admit_after_preempt": ("ADMIT.NONE_AFTER_PREEMPT",),
     "max_num_seqs_off_by_one": ("ADMIT.MAX_NUM_SEQS",),
     "touch_keeps_free": ("CACHE.TOUCH",),
