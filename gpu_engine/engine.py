@@ -73,7 +73,8 @@ SUPPORTED: dict[str, frozenset | None] = {
     "priority_self_preempt": frozenset({"stop", "continue"}),
     "async_scheduling": frozenset({False, True}),  # True: scheduler-only mode (no model)
     "max_num_active_seqs": None, "long_prefill_token_threshold_adaptive": None,
-    "spec_cache_at_output": None,  # any value: it acts only with num_speculative_tokens > 0, which is refused
+    # speculative decoding (issue 15 item 4): synchronous scheduling, scheduler-only mode (no model)
+    "num_speculative_tokens": None, "spec_cache_at_output": None,
 }
 
 #: Request fields of the trace format gpu_engine does not implement yet (issue 15 item 3),
@@ -96,6 +97,8 @@ def check_supported(config: SchedulerConfig) -> None:
             raise ValueError(f"gpu_engine does not implement policy={config.policy!r} with async_scheduling=True")
         if config.preemption_victim == "slo-slack":
             raise ValueError("gpu_engine does not implement preemption_victim='slo-slack' with async_scheduling=True")
+    if config.num_speculative_tokens and config.async_scheduling:
+        raise ValueError("gpu_engine does not implement num_speculative_tokens > 0 with async_scheduling=True")
     default = type(config)()
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
@@ -165,6 +168,9 @@ class GpuEngine:
         self.num_steps = 0
         if config.async_scheduling and self.model is not None:
             raise ValueError("gpu_engine implements async_scheduling=True in scheduler-only mode (no model)")
+        if config.num_speculative_tokens and self.model is not None:
+            raise ValueError("gpu_engine implements num_speculative_tokens > 0 in scheduler-only mode (no model)")
+        self.sched.draft_token = self._draft_token
         self.run_step = self._step_async if config.async_scheduling else self._step_sync
         self._flight: tuple[list, list] = ([], [])  # async: (request, index, preemptions), tokens of the batch in flight
         self._last_record: StepRecord | None = None
@@ -340,6 +346,14 @@ class GpuEngine:
             toks = [s.sources[i].output_token(k, self.vocab_size, self.eos_token_id) for i, k in zip(xp.to_list(smp), idx)]
         return s.be.asarray(toks)
 
+    def _draft_token(self, slot: int, index: int) -> int:
+        """Speculative decoding: the draft at output ``index``, the token the request's own rule
+        samples there (so an accepted draft is the token the model would sample)."""
+        s = self.sched
+        if self.output_tokens is not None:  # written ahead into the token table at add_request
+            return int(s.token_ids[slot, int(s.prompt_len[slot]) + index])
+        return s.sources[slot].output_token(index, self.vocab_size, self.eos_token_id)
+
     def _execute(self, batch: Batch):
         """Model mode: one flattened forward over the batch, greedy sampling."""
         s, be = self.sched, self.sched.be
@@ -374,6 +388,8 @@ class GpuEngine:
                          aborted=self._aborted, rejected=self._rejected, sampled=dict(zip(samplers, xp.to_list(tokens))),
                          swapped_out=batch.swapped_out, swapped_in=batch.swapped_in)
         self._aborted, self._rejected = [], []
+        if s.num_spec:  # this step's drafts, and those its outputs accepted
+            rec.drafts, rec.accepted = batch.drafts, batch.accepted
         if s.log_state:
             self._record_state(rec, batch)
         if self.level != "decisions":

@@ -13,6 +13,8 @@ Notation: ``excl(x)[i] = x[0] + ... + x[i-1]`` (exclusive prefix sum),
 """
 from __future__ import annotations
 
+import zlib
+
 from gpu_engine import xp
 from gpu_engine.xp import Array
 
@@ -133,6 +135,7 @@ def admission(
     block_size: int,
     max_model_len: int,
     reserve: Array | None = None,
+    pad: Array | None = None,
 ) -> tuple[int, Array, Array]:
     """Phase 2 admission walk over the queue head: ``(count, n, need)``.
 
@@ -153,8 +156,15 @@ def admission(
     slots, ``need_j = max(cdiv(max(min(hit_j + n_j, L), R_j), bs) - nhit_j, 0) + E_j``,
     and the whole-sequence check applies only where ``R_j = 0`` (a reservation
     already covers the whole sequence).
+
+    ``pad`` (speculative decoding, :func:`draft_padding`): dummy drafts added to a
+    candidate's tokens, ``c_j = capT(num_tokens_j - hit_tokens_j + pad_j)``; a padded
+    candidate is admitted whole or stops the walk (``pad_j = 0 ∨ c_j <= left_j``), and its
+    whole-sequence check still counts its real ``num_tokens_j``.
     """
     rem = num_tokens - hit_tokens
+    if pad is not None:
+        rem = rem + pad
     c = xp.minimum(rem, cap) if cap > 0 else rem
     left = xp.maximum(budget - xp.exclusive_cumsum(c), 0)
     n = xp.minimum(c, left)
@@ -172,8 +182,53 @@ def admission(
         full = xp.maximum(cdiv(xp.minimum(num_tokens, max_model_len), block_size) - num_hit_blocks, 0) + evictable_hits
         fits = full + wm <= seen_free
         ok = ok & (fits if reserve is None else (fits | (reserve > 0)))
+    if pad is not None:
+        ok = ok & ((pad == 0) | (c <= left))
     count = xp.first_true(~ok)
     return count, n, need
+
+
+# -- speculative decoding (knob num_speculative_tokens K > 0) ---------------------------------
+
+
+def draft_padding(rest: Array, hit_tokens: Array, k: int, others_scheduled: bool, others_mid_prefill: bool,
+                  max_model_len: int) -> Array:
+    """Dummy drafts per admission candidate: vLLM pads an admission left with exactly one
+    token to compute (``rest = num_tokens - hit = 1``) to a uniform ``1 + K`` decode when no
+    running request of the step is mid-prefill, something else runs in the step or it had a
+    prefix hit, and ``hit + 1 + K + 1 <= L``: ``K`` there, else 0."""
+    if others_mid_prefill:
+        return rest * 0
+    ok = (rest == 1) & (hit_tokens + k + 2 <= max_model_len)
+    if not others_scheduled:
+        ok = ok & (hit_tokens > 0)
+    return xp.where(ok, rest * 0 + k, rest * 0)
+
+
+def scheduled_drafts(start: Array, n: Array, num_tokens: Array, placeholders: Array) -> Array:
+    """Drafts among each request's ``n`` scheduled tokens: those past its known tokens and
+    placeholders, ``clip(start + n - num_tokens - placeholders, 0, n)``."""
+    return xp.minimum(xp.maximum(start + n - num_tokens - placeholders, 0), n)
+
+
+def accept_draw(request_id: str, verification: int, draft: int) -> float:
+    """The trace format's seeded uniform draw for one draft (``spec_accept_rate``):
+    ``crc32("<id>#acc<verification>#<draft>") / 2**32``."""
+    return zlib.crc32(f"{request_id}#acc{verification}#{draft}".encode()) / 2**32
+
+
+def accepted_count(request_id: str, spec_accept: tuple, rate: float | None, verification: int, drafts: int) -> int:
+    """Drafts the model accepts at a request's ``verification``-th verification of ``drafts``:
+    the trace's ``spec_accept`` cycled, or the leading drafts whose draw is below
+    ``spec_accept_rate``, or all of them; never more than ``drafts``."""
+    if spec_accept:
+        return min(drafts, spec_accept[verification % len(spec_accept)])
+    if rate is None:
+        return drafts
+    n = 0
+    while n < drafts and accept_draw(request_id, verification, n) < rate:
+        n += 1
+    return n
 
 
 def swap_in(

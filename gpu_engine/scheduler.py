@@ -71,7 +71,10 @@ COLUMNS = ("prompt_len", "num_tokens", "num_output_tokens", "num_computed_tokens
            "arrival_step", "max_tokens", "ignore_eos", "num_blocks", "num_cached_blocks", "queue_key", "tenant",
            "swap_key", "cpu_blocks", "stop_at", "placeholders", "preemptions",
            # service-level targets (issue 19), in steps (formulas.NEVER: no target / not yet)
-           "ttft_deadline", "tpot", "first_token", "last_token", "slo_missed", "deferred", "at_risk_served")
+           "ttft_deadline", "tpot", "first_token", "last_token", "slo_missed", "deferred", "at_risk_served",
+           # speculative decoding: drafts proposed for the next step, verifications so far, and
+           # whether the request's last scheduled chunk left its prefill incomplete
+           "proposed", "verifications", "mid_prefill")
 def salt_root(cache_salt: str | None) -> int | None:
     """The parent hash of a salted request's first block (None without a salt): the first
     8 bytes of sha256 over the salt, so only requests with equal salts share any block."""
@@ -102,6 +105,9 @@ class Batch:
     hit_blocks: dict[str, list[int]] = field(default_factory=dict)  # logged state: admitted -> prefix-hit block ids
     refused: list[tuple[str, str]] = field(default_factory=list)  # SLO admission control: (id, "slo_infeasible")
     estimate_rem: float | None = None  # logged state: rem_total_tokens when the first head was tested
+    drafts: dict[str, int] = field(default_factory=dict)  # speculative decoding: request -> drafts scheduled
+    accepts: dict[int, int] = field(default_factory=dict)  # slot -> drafts its verification accepts
+    accepted: dict[str, int] = field(default_factory=dict)  # after the update: request -> drafts accepted
 
 
 class Scheduler:
@@ -189,6 +195,12 @@ class Scheduler:
         # async scheduling: a step's sampled tokens are known one step later; until then each is a
         # placeholder (column ``placeholders``, counted as computed), see :meth:`apply_async`
         self.asynchronous = c.async_scheduling
+        # speculative decoding (K = num_speculative_tokens > 0): K drafts proposed after each output,
+        # scheduled with the next decode, verified and the rejected ones rolled back in :meth:`update`
+        self.num_spec = c.num_speculative_tokens
+        self.cache_at_output = bool(self.num_spec and c.spec_cache_at_output)
+        self._pad_others = (False, False)  # (a running request runs in this step, one of them is mid-prefill)
+        self.draft_token = None  # f(slot, output index) -> the token there (set by the engine)
 
     # ------------------------------------------------------------------ storage
 
@@ -304,7 +316,8 @@ class Scheduler:
                         ("arrival_step", self.clock), ("tenant", self.tc.tenant(req.tenant) if self.tc else 0),
                         ("max_tokens", max_tokens), ("ignore_eos", int(req.ignore_eos)),
                         ("num_blocks", 0), ("num_cached_blocks", 0),
-                        ("stop_at", min(p + max_tokens, c.max_model_len)), ("placeholders", 0), ("preemptions", 0)):
+                        ("stop_at", min(p + max_tokens, c.max_model_len)), ("placeholders", 0), ("preemptions", 0),
+                        ("proposed", 0), ("verifications", 0), ("mid_prefill", 0)):
             getattr(self, name)[s] = v
         if not self.caching:
             self.hashes[s] = []
@@ -645,6 +658,7 @@ class Scheduler:
         self.status[rc] = PREEMPTED
         self.num_computed_tokens[rc] = 0
         self.placeholders[rc] = 0  # async: a token in flight is delivered stale (apply_async)
+        self.proposed[rc] = 0  # a preempted request's drafts are discarded
         self.preemptions[rc] += 1
         for s in recompute:  # RETRACT.TO_TAIL under admission="estimate", else to the front
             self._enqueue(s, front=not self.estimate)
@@ -700,6 +714,8 @@ class Scheduler:
                          or (batch.preempted and not c.admit_after_preempt) or self.num_swapped)
             admit = admit and not self._held(had_cut)
             if admit and self.num_waiting:
+                if self.num_spec:  # what decides a padded admission (formulas.draft_padding)
+                    self._pad_others = (len(slots1) > 0, len(slots1) > 0 and xp.any_true(self.mid_prefill[slots1] > 0))
                 slots2, n2, budget = self._schedule_waiting(batch, budget, cap, len(slots1) + len(slots_in))
         fast, self._steady_batch = self._steady_batch, None
         if fast is not None and not len(slots_in) and not len(slots2):  # the steady batch alone
@@ -716,12 +732,37 @@ class Scheduler:
             batch.all_sample = xp.all_true(samples)
             if self.asynchronous:  # each sampled token is in flight until the next step applies it
                 self.placeholders[slots[samples]] += 1
+            if self.num_spec:
+                self._schedule_drafts(batch, slots, n, start, samples, len(slots1) + len(slots_in) + len(slots_c))
         batch.slots, batch.num_scheduled, batch.start, batch.samples = slots, n, start, samples
         if self.continues or self.plan_hold:  # continued first in the next step; a cut releases the hold
             self.cut = [(s, self.ids[s]) for s in xp.to_list(slots[~samples])] if not batch.all_sample else []
         self.steady = (batch.all_sample and not batch.preempted and len(slots) == len(self.running)
-                       and not self.asynchronous)  # (the steady closed form assumes known tokens)
+                       and not self.asynchronous and not self.num_spec)  # (the steady closed form: one known token each)
         return batch
+
+    def _schedule_drafts(self, batch: Batch, slots: Array, n: Array, start: Array, samples: Array,
+                         num_running: int) -> None:
+        """Speculative decoding after a step's schedule: the drafts among each request's tokens
+        (:func:`formulas.scheduled_drafts`; in the first ``num_running`` entries, the running
+        walk's, proposed drafts, whose proposals are now spent; after them, an admission's
+        dummy drafts), and for each real verification the drafts its model accepts (numbered
+        per request; dummies take no number and are never accepted)."""
+        d = F.scheduled_drafts(start, n, self.num_tokens[slots], self.placeholders[slots])
+        if num_running:
+            self.proposed[slots[:num_running]] = 0
+        self.mid_prefill[slots] = xp.as_int(~samples)
+        some = xp.nonzero(d > 0)
+        for j, k in zip(xp.to_list(some), xp.to_list(d[some])):
+            slot = int(slots[j])
+            rid = self.ids[slot]
+            batch.drafts[rid] = k
+            if j >= num_running:
+                batch.accepts[slot] = 0
+                continue
+            v, src = int(self.verifications[slot]), self.sources[slot]
+            batch.accepts[slot] = F.accepted_count(rid, src.spec_accept, src.spec_accept_rate, v, k)
+            self.verifications[slot] = v + 1
 
     def _held(self, had_cut: bool) -> bool:
         """ESTIMATE.HOLD_UNTIL_DEPARTURE at the admission gate: held while every request of the
@@ -951,6 +992,8 @@ class Scheduler:
             ntok = self.num_tokens[seg]
             if self.asynchronous:
                 demand = self._async_demand(seg, comp, ntok, cap)
+            elif self.num_spec:  # its proposed drafts too (spent once it is scheduled)
+                demand = F.token_demand(ntok + self.proposed[seg], comp, cap, c.max_model_len)
             else:
                 demand = F.token_demand(ntok, comp, cap, c.max_model_len)
             if early:  # served at risk: nothing more this step
@@ -1116,7 +1159,9 @@ class Scheduler:
         rem = None
         if self.estimate:  # SGLang's rem_total_tokens, fixed as the admission round begins
             rem = self._estimate_rem(continued)
-        window = 8
+        # speculative decoding: one candidate per round (a padded admission pops more blocks than
+        # the window's conflict test assumes)
+        window = 1 if self.num_spec else 8
         while budget > 0 and self.num_waiting > 0 and self._room(scheduled) > 0:
             if self.tc is not None:  # VTC: one admission per round, each charge moves the pick
                 keys = xp.where(self.tenant == self.tc.pick(), self.queue_key, INF_KEY)
@@ -1127,7 +1172,7 @@ class Scheduler:
                 # the budget admits a few long prompts; more rounds change no decision (each starts
                 # from the state the last one left, as the cut at a conflict already does)
                 width = min(self.num_waiting, self._room(scheduled), budget, window)
-                window *= 2
+                window *= 1 if self.num_spec else 2
                 cand = xp.smallest_k(self._queue_keys(), width)
             ntok = self.num_tokens[cand]
             if self.caching:
@@ -1139,7 +1184,8 @@ class Scheduler:
                 ntok, nhit * self.bs, nhit, evictable, budget=budget, free=self.pool.num_free,
                 watermark=self.watermark_blocks, num_running=len(self.running), cap=cap,
                 chunked=c.enable_chunked_prefill, full_isl=c.scheduler_reserve_full_isl,
-                block_size=self.bs, max_model_len=c.max_model_len, reserve=self._reservation(cand))
+                block_size=self.bs, max_model_len=c.max_model_len, reserve=self._reservation(cand),
+                pad=self._draft_padding(ntok, nhit))
             if rem is not None:
                 if batch.estimate_rem is None:
                     batch.estimate_rem = rem
@@ -1163,6 +1209,13 @@ class Scheduler:
             if count < len(cand) or count == 0:
                 break
         return self.be.cat(out_slots), self.be.cat(out_n), budget
+
+    def _draft_padding(self, ntok: Array, nhit: Array) -> Array | None:
+        """Speculative decoding: each candidate's dummy drafts (:func:`formulas.draft_padding`)."""
+        if not self.num_spec:
+            return None
+        hit = nhit * self.bs
+        return F.draft_padding(ntok - hit, hit, self.num_spec, *self._pad_others, self.config.max_model_len)
 
     def _first_cut_only(self, rest: Array, budget: int, cap: int, scheduled: int) -> int:
         """ADMIT.CHUNK_ONLY_FIRST: the window's candidates before the first one that is not the
@@ -1297,6 +1350,8 @@ class Scheduler:
         """Append each sampled token (``tokens`` aligned with the sampling requests in
         batch order), apply the stop rules, free finished requests in batch order."""
         self._cache_computed(batch)
+        if self.num_spec:
+            return self._update_verified(batch, tokens, eos_token_id)
         smp = batch.slots if batch.all_sample else batch.slots[batch.samples]
         if len(smp) == 0:
             return []
@@ -1347,6 +1402,62 @@ class Scheduler:
             self._release(s)
         self.running = self.running[self.status[self.running] == RUNNING]
         return self._free_abort_pending(smp, pending, out)
+
+    def _update_verified(self, batch: Batch, tokens: Array, eos_token_id: int) -> list[tuple[str, str]]:
+        """:meth:`update` with speculative decoding, one sampling request at a time in batch
+        order: append its sampled token; if it had drafts, take the rejected ones back from
+        its computed tokens and, unless that token stopped it, append the accepted drafts
+        (the tokens its own rule samples next) one by one under the stop rules, the first
+        stop dropping the rest; with ``spec_cache_at_output`` cache its full blocks up to
+        ``min(computed, num_tokens - 1)``; then propose K drafts if it still runs, or free it.
+        ``batch.accepted`` becomes request -> drafts accepted (the record's field)."""
+        smp = batch.slots[batch.samples]
+        finished, accepted = [], {}
+        be = self.be
+        for s, first in zip(xp.to_list(smp), xp.to_list(tokens)):
+            one = be.asarray([s])
+            code = self._append_checked(s, one, first, eos_token_id)
+            rid = self.ids[s]
+            if rid in batch.drafts:
+                k, a = batch.drafts[rid], batch.accepts[s]
+                accepted[rid] = a
+                if int(self.num_computed_tokens[s]) > 0:
+                    self.num_computed_tokens[s] -= k - a
+                for _ in range(a if code == F.STOP_NONE else 0):
+                    code = self._append_checked(s, one, self.draft_token(s, int(self.num_output_tokens[s])), eos_token_id)
+                    if code != F.STOP_NONE:
+                        break
+            if self.cache_at_output:
+                upto = min(int(self.num_computed_tokens[s]), int(self.num_tokens[s]) - 1)
+                self._cache_blocks(one, be.asarray([upto]))
+            if code == F.STOP_NONE:
+                self.proposed[s] = self.num_spec
+                continue
+            self._free_tables(one)
+            finished.append((rid, self._reason(s, code)))
+            self._release(s)
+        batch.accepted = accepted
+        if finished:
+            self.running = self.running[self.status[self.running] == RUNNING]
+        return finished
+
+    def _append_checked(self, s: int, one: Array, token: int, eos_token_id: int) -> int:
+        """Append one output token to slot ``s`` (hashing a block it fills) and return its stop
+        code (:func:`formulas.stop_codes`'s order)."""
+        pos = int(self.num_tokens[s])
+        self.token_ids[s, pos] = token
+        ntok = pos + 1
+        self.num_tokens[s] = ntok
+        self.num_output_tokens[s] += 1
+        if self.caching and ntok % self.bs == 0:
+            self._extend_chains(one, self.be.asarray([ntok]))
+        if token == eos_token_id and not int(self.ignore_eos[s]):
+            return F.STOP_EOS
+        if token in xp.to_list(self.stop_ids[s]):
+            return F.STOP_TOKEN
+        if ntok >= self.config.max_model_len:
+            return F.STOP_MAX_MODEL_LEN
+        return F.STOP_MAX_TOKENS if int(self.num_output_tokens[s]) >= int(self.max_tokens[s]) else F.STOP_NONE
 
     def _reason(self, s: int, code: int) -> str:
         """A stop code's finish reason; a max_tokens cut at arrival (ARRIVE.CLIP_MAX_TOKENS) that is
