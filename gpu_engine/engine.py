@@ -73,7 +73,7 @@ SUPPORTED: dict[str, frozenset | None] = {
     "priority_self_preempt": frozenset({"stop", "continue"}),
     "async_scheduling": frozenset({False, True}),  # True: scheduler-only mode (no model)
     "max_num_active_seqs": None, "long_prefill_token_threshold_adaptive": None,
-    # speculative decoding (issue 15 item 4): synchronous scheduling, scheduler-only mode (no model)
+    # speculative decoding (issue 15 item 4): scheduler-only mode (no model)
     "num_speculative_tokens": None, "spec_cache_at_output": None,
 }
 
@@ -97,8 +97,6 @@ def check_supported(config: SchedulerConfig) -> None:
             raise ValueError(f"gpu_engine does not implement policy={config.policy!r} with async_scheduling=True")
         if config.preemption_victim == "slo-slack":
             raise ValueError("gpu_engine does not implement preemption_victim='slo-slack' with async_scheduling=True")
-    if config.num_speculative_tokens and config.async_scheduling:
-        raise ValueError("gpu_engine does not implement num_speculative_tokens > 0 with async_scheduling=True")
     default = type(config)()
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
@@ -232,6 +230,8 @@ class GpuEngine:
         batch = s.schedule()
         names = self._names(batch.slots)
         smp = xp.to_list(batch.slots[batch.samples])
+        if s.num_spec:
+            return self._step_async_verified(batch, names, smp)
         flight = [(s.ids[i], int(s.num_output_tokens[i] + s.placeholders[i] - 1), int(s.preemptions[i])) for i in smp]
         if self.output_tokens is not None:  # written ahead into the token table at add_request
             tokens = [int(s.token_ids[i, int(s.prompt_len[i]) + k]) for i, (_, k, _) in zip(smp, flight)]
@@ -239,6 +239,21 @@ class GpuEngine:
             tokens = [s.sources[i].output_token(k, self.vocab_size, self.eos_token_id) for i, (_, k, _) in zip(smp, flight)]
         (prev, prev_tokens), self._flight = self._flight, (flight, tokens)
         finished, applied = s.apply_async(prev, prev_tokens, self.eos_token_id)
+        self.num_steps += 1
+        s.clock += 1
+        record = self._record(batch, names, list(applied), np.asarray(list(applied.values()), dtype=np.int64), finished)
+        record.outputs_step = self._last_record.step if self._last_record is not None else -1
+        self._last_record = record
+        return record
+
+    def _step_async_verified(self, batch: Batch, names: list[str], smp: list[int]) -> StepRecord:
+        """:meth:`_step_async` with speculative decoding: a batch entry's tokens are drawn when
+        they are applied, from the request's next output index on (how many drafts the batch
+        before accepted decides where they go)."""
+        s = self.sched
+        flight = [(s.ids[i], int(s.preemptions[i]), batch.drafts.get(s.ids[i], 0), batch.accepts.get(i, 0)) for i in smp]
+        (prev, _), self._flight = self._flight, (flight, [])
+        finished, applied, batch.accepted = s.apply_async_verified(prev, self.eos_token_id)
         self.num_steps += 1
         s.clock += 1
         record = self._record(batch, names, list(applied), np.asarray(list(applied.values()), dtype=np.int64), finished)

@@ -198,7 +198,7 @@ class Scheduler:
         # speculative decoding (K = num_speculative_tokens > 0): K drafts proposed after each output,
         # scheduled with the next decode, verified and the rejected ones rolled back in :meth:`update`
         self.num_spec = c.num_speculative_tokens
-        self.cache_at_output = bool(self.num_spec and c.spec_cache_at_output)
+        self.cache_at_output = bool(self.num_spec and c.spec_cache_at_output and not c.async_scheduling)
         self._pad_others = (False, False)  # (a running request runs in this step, one of them is mid-prefill)
         self.draft_token = None  # f(slot, output index) -> the token there (set by the engine)
 
@@ -297,7 +297,10 @@ class Scheduler:
         c = self.config
         longest = max(min(req.prompt_len + req.max_tokens, c.max_model_len), req.prompt_len + 1)
         stops, max_tokens = self._stops(req), self._max_tokens(req)
-        self._ensure(longest, cdiv(min(longest, c.max_model_len), self.bs) + 1, len(stops))
+        # drafts take KV slots past the tokens a request will ever hold: at most 1 + 2K beyond them
+        # (K proposed, plus under async the K drafts and the token of the step in flight)
+        slots = longest + 2 * self.num_spec + 1 if self.num_spec else longest
+        self._ensure(longest, cdiv(min(slots, c.max_model_len), self.bs) + 1, len(stops))
         s = self.free_slots.pop()
         self.ids[s], self.sources[s] = req.id, req
         self.slot_of[req.id] = s
@@ -730,10 +733,10 @@ class Scheduler:
             self.num_computed_tokens[slots] = done
             samples = done >= self.num_tokens[slots] + self.placeholders[slots]
             batch.all_sample = xp.all_true(samples)
+            if self.num_spec:  # (against the placeholders before this step's)
+                self._schedule_drafts(batch, slots, n, start, samples, len(slots1) + len(slots_in) + len(slots_c))
             if self.asynchronous:  # each sampled token is in flight until the next step applies it
                 self.placeholders[slots[samples]] += 1
-            if self.num_spec:
-                self._schedule_drafts(batch, slots, n, start, samples, len(slots1) + len(slots_in) + len(slots_c))
         batch.slots, batch.num_scheduled, batch.start, batch.samples = slots, n, start, samples
         if self.continues or self.plan_hold:  # continued first in the next step; a cut releases the hold
             self.cut = [(s, self.ids[s]) for s in xp.to_list(slots[~samples])] if not batch.all_sample else []
@@ -747,7 +750,8 @@ class Scheduler:
         (:func:`formulas.scheduled_drafts`; in the first ``num_running`` entries, the running
         walk's, proposed drafts, whose proposals are now spent; after them, an admission's
         dummy drafts), and for each real verification the drafts its model accepts (numbered
-        per request; dummies take no number and are never accepted)."""
+        per request; dummies take no number and are never accepted).  Async: a sampler's
+        drafts are placeholders too and it gets K draft placeholders for its next step at once."""
         d = F.scheduled_drafts(start, n, self.num_tokens[slots], self.placeholders[slots])
         if num_running:
             self.proposed[slots[:num_running]] = 0
@@ -763,6 +767,10 @@ class Scheduler:
             v, src = int(self.verifications[slot]), self.sources[slot]
             batch.accepts[slot] = F.accepted_count(rid, src.spec_accept, src.spec_accept_rate, v, k)
             self.verifications[slot] = v + 1
+        if self.asynchronous:
+            smp = slots[samples]
+            self.placeholders[smp] += d[samples]
+            self.proposed[smp] = self.num_spec
 
     def _held(self, had_cut: bool) -> bool:
         """ESTIMATE.HOLD_UNTIL_DEPARTURE at the admission gate: held while every request of the
@@ -991,7 +999,7 @@ class Scheduler:
             comp = self.num_computed_tokens[seg]
             ntok = self.num_tokens[seg]
             if self.asynchronous:
-                demand = self._async_demand(seg, comp, ntok, cap)
+                demand = self._async_demand(seg, comp, ntok + self.proposed[seg] if self.num_spec else ntok, cap)
             elif self.num_spec:  # its proposed drafts too (spent once it is scheduled)
                 demand = F.token_demand(ntok + self.proposed[seg], comp, cap, c.max_model_len)
             else:
@@ -1543,6 +1551,58 @@ class Scheduler:
             self._release(s)
         self.running = self.running[self.status[self.running] == RUNNING]
         return out, applied
+
+    def apply_async_verified(self, flight: list[tuple[str, int, int, int]], eos_token_id: int
+                             ) -> tuple[list[tuple[str, str]], dict[str, int], dict[str, int]]:
+        """Async scheduling with speculative decoding: apply the batch in flight, in its batch
+        order.  ``flight``: (request id, preemptions at schedule time, drafts, drafts accepted)
+        of each sampler.  A request gone since drops its output; otherwise its rejected drafts
+        are rolled back from computed tokens and placeholders (not when stale: preemption
+        zeroed both), then ``1 + accepted`` tokens from its next output index on are appended
+        under the stop rules one by one, a running fresh one gives back a placeholder per
+        token appended and caches its blocks up to ``computed - placeholders``; finished
+        requests are freed in batch order.  Returns (finished, first tokens applied, drafts
+        accepted per request)."""
+        finished, applied, accepted = [], {}, {}
+        be = self.be
+        for rid, preemptions, k, a in flight:
+            s = self.slot_of.get(rid)
+            if s is None:
+                continue  # finished or aborted since: its output is dropped
+            one = be.asarray([s])
+            stale = preemptions != int(self.preemptions[s])
+            running = int(self.status[s]) == RUNNING
+            if k:
+                accepted[rid] = a
+                if not stale and k > a:
+                    if int(self.num_computed_tokens[s]) > 0:
+                        self.num_computed_tokens[s] -= k - a
+                    if int(self.placeholders[s]) > 0:
+                        self.placeholders[s] -= k - a
+            first = self.draft_token(s, int(self.num_output_tokens[s]))
+            applied[rid] = first
+            code, count = self._append_checked(s, one, first, eos_token_id), 1
+            while code == F.STOP_NONE and count <= a:
+                code = self._append_checked(s, one, self.draft_token(s, int(self.num_output_tokens[s])), eos_token_id)
+                count += 1
+            if not stale:
+                self.placeholders[s] -= count
+                if running:
+                    self._cache_blocks(one, self.num_computed_tokens[one] - self.placeholders[one])
+            if code == F.STOP_NONE:
+                continue
+            if running:
+                self._free_tables(one)
+            else:  # preempted with its tokens in flight: it finishes from the waiting queue
+                self.queue_key[s] = INF_KEY
+                self.num_waiting -= 1
+                if self.tc is not None:
+                    self.tc.leave([int(self.tenant[s])])
+            finished.append((rid, self._reason(s, code)))
+            self._release(s)
+        if finished:
+            self.running = self.running[self.status[self.running] == RUNNING]
+        return finished, applied, accepted
 
     def _extend_chains(self, slots: Array, ntok: Array) -> None:
         """Hash each newly full block: the last output token completed it, so it is

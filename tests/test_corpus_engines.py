@@ -27,7 +27,7 @@ def test_gpu_engine_agrees_with_the_spec(path):
     trace = load_trace(path)
     try:
         check_supported(resolve(trace.config))
-    except ValueError as e:  # e.g. num_speculative_tokens (issue 15 item 2): refused by name, not run
+    except ValueError as e:  # a knob value gpu_engine does not implement: refused by name, not run
         pytest.skip(f"gpu_engine refuses this trace's configuration: {e}")
     result = replay(trace, "gpu", "exact")
     assert result.agreed, result.describe()

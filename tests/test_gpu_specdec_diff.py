@@ -1,8 +1,8 @@
 """Speculative decoding in gpu_engine (knob ``num_speculative_tokens`` K > 0; issue #15 item 4):
 its own implementation (array columns ``proposed``, ``verifications``, ``mid_prefill``; the
 closed forms :func:`gpu_engine.formulas.draft_padding`, ``scheduled_drafts``, ``accepted_count``)
-against the spec at the exact level on random traces, under both ``spec_cache_at_output`` values,
-plus what it refuses by name."""
+against the spec at the exact level on 500 random traces, under both ``spec_cache_at_output``
+values, and on 500 with async scheduling; plus what it refuses by name (its model)."""
 from __future__ import annotations
 
 import pytest
@@ -46,12 +46,26 @@ def test_gpu_engine_agrees_with_the_spec_on_random_speculative_traces(seeds):
     assert all(HITS[k] > v for k, v in before.items()), {k: HITS[k] - v for k, v in before.items()}
 
 
+#: the rules only async scheduling with drafts reaches
+ASYNC_REACHED = ("SPEC.ASYNC_DRAFT_PLACEHOLDERS", "SPEC.ROLLBACK", "SPEC.PAD_ADMISSION", "ASYNC.STALE_OUTPUT")
+
+
+@pytest.mark.parametrize("seeds", CHUNKS, ids=lambda r: f"{r.start}-{r.stop - 1}")
+def test_gpu_engine_agrees_with_the_spec_on_random_async_speculative_traces(seeds):
+    before = {k: HITS[k] for k in ASYNC_REACHED}
+    diverged, drafts, accepted = _replay_chunk(seeds, async_scheduling=True, spec_cache_at_output=seeds.start >= 250)
+    assert not diverged, f"{len(diverged)} of {len(seeds)} diverge:\n" + "\n\n".join(diverged[:3])
+    assert 0 < accepted < drafts
+    assert all(HITS[k] > v for k, v in before.items()), {k: HITS[k] - v for k, v in before.items()}
+
+
 def test_the_cuda_code_path_agrees_too():
     """The array code as torch ops (``use_numpy=False``), run on CPU."""
     from gpu_engine.engine import GpuEngine
 
     for seed in range(40):
-        trace = random_trace(seed, num_speculative_tokens=1 + seed % 4, spec_cache_at_output=seed % 2 == 1)
+        trace = random_trace(seed, num_speculative_tokens=1 + seed % 4, spec_cache_at_output=seed % 2 == 1,
+                             async_scheduling=seed % 4 >= 2)
         result = replay(trace, GpuEngine.from_trace(trace, use_numpy=False), "exact")
         assert result.agreed, f"seed {seed}: {result.describe()}"
 
