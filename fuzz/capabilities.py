@@ -470,11 +470,12 @@ def _gpu() -> Envelope:
 
 
 def _gpu_model() -> Envelope:
-    """With its model gpu_engine schedules synchronously only (async_scheduling: scheduler-only mode)."""
+    """With its model gpu_engine schedules synchronously and without drafts only (async_scheduling and
+    num_speculative_tokens: scheduler-only mode)."""
     from gpu_engine.engine import SUPPORTED, UNSUPPORTED_REQUEST_FIELDS
 
-    return _from_allow_list({k: v for k, v in SUPPORTED.items() if k != "async_scheduling"},
-                            "gpu_engine.engine.SUPPORTED, less async_scheduling (model mode)",
+    return _from_allow_list({k: v for k, v in SUPPORTED.items() if k not in ("async_scheduling", "num_speculative_tokens")},
+                            "gpu_engine.engine.SUPPORTED, less async_scheduling and num_speculative_tokens (model mode)",
                             request_features=not UNSUPPORTED_REQUEST_FIELDS)
 
 

@@ -32,7 +32,12 @@ kept in ``cut``, continue before any admission, and only a batch's first admissi
 be cut), ``max_num_seqs_scope`` ("step": :meth:`Scheduler._room` and the running walk
 count the step's batch), ``cache_register`` ("computed": blocks are registered in
 :meth:`Scheduler.update`, after the step), ``free_block_order`` ("tail") and
-``cache_duplicates`` ("latest") in :class:`~gpu_engine.block_pool.BlockPool`.
+``cache_duplicates`` ("latest") in :class:`~gpu_engine.block_pool.BlockPool`; and speculative decoding
+(``num_speculative_tokens`` K, ``spec_cache_at_output``): K drafts proposed per slot (column
+``proposed``) join a decode's demand, a one-token admission is padded to ``1 + K``
+(:func:`formulas.draft_padding`), each verification's accepted count comes from the trace
+(:func:`formulas.accepted_count`), and the output rolls rejected drafts back and appends the
+accepted ones under the stop rules (:meth:`Scheduler.update`, :meth:`Scheduler.apply_async_verified`).
 
 A step is a bounded number of array ops plus short host loops only over rare
 events (one iteration per preemption point, per prefix-cache conflict round,

@@ -95,3 +95,7 @@ def test_the_gpu_envelope_draws_speculative_decoding():
 
     env = caps.for_engine("gpu")
     assert env.allows("num_speculative_tokens", 3) and env.allows("spec_cache_at_output", True)
+    assert env.allows("num_speculative_tokens", 2) and env.allows("async_scheduling", True)
+    # with its model gpu_engine refuses drafts: that envelope keeps K at its default
+    model = caps.for_engine("gpu-model")
+    assert model.allows("num_speculative_tokens", 0) and not model.allows("num_speculative_tokens", 3)
