@@ -99,3 +99,21 @@ def test_the_gpu_envelope_draws_speculative_decoding():
     # with its model gpu_engine refuses drafts: that envelope keeps K at its default
     model = caps.for_engine("gpu-model")
     assert model.allows("num_speculative_tokens", 0) and not model.allows("num_speculative_tokens", 3)
+
+
+def test_logged_state_agrees_too():
+    """With the optional state fields logged (computed tokens after rollbacks, cache
+    registrations of verified blocks, hit blocks), from gpu_engine's own arrays."""
+    from fuzz.diff import first_divergence
+    from gpu_engine.engine import GpuEngine
+    from spec.protocol import drive
+    from spec.scheduler import SpecEngine
+
+    for seed in range(30):
+        trace = random_trace(seed, num_speculative_tokens=1 + seed % 4, async_scheduling=seed % 3 == 0,
+                             spec_cache_at_output=seed % 2 == 0)
+        spec = drive(SpecEngine.from_trace(trace, record_level="exact"), trace, 100_000)
+        mine = drive(GpuEngine.from_trace(trace, level="exact", log_state=True), trace, 100_000)
+        assert any(r.computed for r in mine)
+        d = first_divergence(spec, mine, "exact", "gpu")
+        assert d is None, f"seed {seed}: {d}"
