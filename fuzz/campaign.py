@@ -84,6 +84,9 @@ STEERING: dict[str, dict[str, Any]] = {
     "STOP.EOS": {"eos": True},
     "STOP.STOP_TOKEN": {"stop_tokens": True},
     "ABORT.": {"aborts": True},
+    # a low, fast-decaying estimate admits more than memory holds: a decode must retract
+    "RETRACT.": {"admission": "estimate", "tight_memory": True, "new_token_ratio_init": 0.2,
+                 "new_token_ratio_decay_steps": 4},
 }
 
 MAX_STEPS = 3000  # random traces finish in a few hundred steps
@@ -1208,11 +1211,12 @@ def _valid(cfg: CampaignConfig, k: int, envelope, fixed: set[str], options: dict
     the envelope's rotation or a profile combined into a refused combination (async with swap
     or an SLO policy, ...) is re-drawn from the campaign seed and trace number
     (:func:`fuzz.capabilities.repair`), so every worker count draws the same traces."""
-    from fuzz.capabilities import draws_request_features, repair
+    from fuzz.capabilities import draws_request_features, repair, spec_decode_draw
 
     key = f"{cfg.seed}:{k}"
     if "request_features" not in options and draws_request_features(envelope, key):
         options = {**options, "request_features": True}  # a share of the traces, against an engine that has them
+    options = spec_decode_draw(envelope, key, options, fixed)
     return repair(options, fixed, envelope, key=key)
 
 

@@ -78,6 +78,10 @@ SAMPLES: dict[str, tuple] = {
 #: The share of a campaign's traces that carry the request features vLLM's scheduler sees
 #: (``random_trace(..., request_features=True)``) against an engine that declares them.
 REQUEST_FEATURE_SHARE = 0.3
+#: The share of a campaign's traces drawn with speculative decoding (``num_speculative_tokens``
+#: 1-4, issue 15) when neither ``--set`` nor the trace's profile fixes it and the engine's envelope
+#: allows it: drafts are vLLM as deployed, and the default family never draws them itself.
+SPEC_DECODE_SHARE = 0.15
 
 
 class CapabilityError(ValueError):
@@ -509,6 +513,33 @@ def draws_request_features(envelope: Envelope, key: str) -> bool:
     if not envelope.request_features:
         return False
     return random.Random(zlib.crc32(f"{key}:request_features".encode())).random() < REQUEST_FEATURE_SHARE
+
+
+def spec_decode_draw(envelope: Envelope, key: str, options: Mapping[str, Any], fixed: Iterable[str]) -> dict[str, Any]:
+    """``options`` with speculative decoding for :data:`SPEC_DECODE_SHARE` of the campaign traces
+    (chosen and sized by a hash of ``key``, so any worker count draws the same traces): K in 1-4,
+    with the knobs the spec specifies drafts with (vLLM V1's scheduler, FCFS or priority) where the
+    trace left them free.  Unchanged when the knob is fixed, the envelope does not allow K, or the
+    spec still refuses the combination (a fixed knob contradicts it)."""
+    from spec.config import ASYNC_NEEDS
+
+    fixed = set(fixed)
+    rng = random.Random(zlib.crc32(f"{key}:spec_decode".encode()))
+    if "num_speculative_tokens" in fixed or "num_speculative_tokens" in options or rng.random() >= SPEC_DECODE_SHARE:
+        return dict(options)
+    k = rng.randint(1, 4)
+    if not (envelope.everything or envelope.allows("num_speculative_tokens", k)):
+        return dict(options)
+    needs = {**ASYNC_NEEDS, "preemption_victim": "policy"}
+    if options.get("policy", "fcfs") not in ("fcfs", "priority"):
+        needs["policy"] = "fcfs"
+    # a third with async scheduling, half caching accepted drafts at output (vLLM 0.33): their rules
+    modes = {"async_scheduling": rng.random() < 0.35, "spec_cache_at_output": rng.random() < 0.5}
+    needs.update({n: v for n, v in modes.items() if v and n not in options})
+    out = {**options, "num_speculative_tokens": k, **{n: v for n, v in needs.items() if n not in fixed}}
+    if any(not (envelope.everything or envelope.allows(n, out[n])) for n in needs if n in out) or refusal(out):
+        return dict(options)
+    return out
 
 
 def builtin(name: str) -> Envelope | None:

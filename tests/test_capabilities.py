@@ -275,3 +275,21 @@ def test_conform_runs_a_declaring_engine_inside_its_envelope(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["agreed"] == 12 and report["envelope"].startswith("profile naive; policy fcfs|priority")
+
+
+def test_a_share_of_the_default_campaign_drafts_speculatively_inside_what_the_engine_allows():
+    """Speculative decoding (vLLM as deployed) is drawn for about SPEC_DECODE_SHARE of the traces of
+    a campaign against an engine that implements it, some of them async, each a configuration the
+    spec accepts; never against an envelope without it, nor when --set or a profile fixes K."""
+    n = 400
+    gpu = list(drawn_configs(caps.for_engine("gpu"), n))
+    drafting = [c for c in gpu if c.num_speculative_tokens]
+    assert 0.5 * caps.SPEC_DECODE_SHARE * n < len(drafting) < 2 * caps.SPEC_DECODE_SHARE * n
+    assert {c.num_speculative_tokens for c in drafting} == {1, 2, 3, 4}
+    assert any(c.async_scheduling for c in drafting) and any(not c.async_scheduling for c in drafting)
+    assert all(c.policy in ("fcfs", "priority") for c in drafting)
+    assert list(drawn_configs(caps.for_engine("gpu"), 40)) == gpu[:40], "the same seed draws the same traces"
+    assert not any(c.num_speculative_tokens for c in drawn_configs(caps.for_engine("gpu-model"), 200))
+    assert not any(c.num_speculative_tokens for c in drawn_configs(caps.for_engine("gpu"), 200,
+                                                                   knobs={"num_speculative_tokens": 0}))
+    assert not any(c.num_speculative_tokens for c in drawn_configs(caps.for_engine("gpu"), 200, profile="sglang"))
