@@ -37,19 +37,16 @@ import csv
 import itertools
 import json
 import math
-import os
 import random
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from spec.costmodel import CostModel
 from spec.formats import Trace, TraceRequest
-from spec.io import FormatError
+from spec.io import FormatError, atomic_write_text
 from spec.simulate import BatchTracker
 
 COLUMNS = ("prefill_tokens", "decode_seqs", "kv_tokens", "seconds")
@@ -300,28 +297,11 @@ def measure(engine, trace: Trace, warmup: int = 5, sync=None) -> list[tuple[int,
 
 def write_rows(rows, path: str) -> None:
     """Write measured rows as JSON through a temporary file and a rename."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"rows": [dict(zip(COLUMNS, r)) for r in rows]}, f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    atomic_write_text(path, json.dumps({"rows": [dict(zip(COLUMNS, r)) for r in rows]}))
 
 
 def _write_json(path: str, obj) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    atomic_write_text(path, json.dumps(obj, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

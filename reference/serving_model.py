@@ -19,13 +19,12 @@ server run of a few hundred requests takes a minute on two cores.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
 from reference.model import TinyLlama, TinyLlamaConfig
+from spec.io import atomic_write_text
 
 #: The served model: Llama architecture, grouped-query attention, head size 32 (vLLM's CPU minimum).
 SERVING_CONFIG = TinyLlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -71,15 +70,7 @@ def tokenizer_config_json(max_len: int) -> dict:
 
 def _write_json(path: Path, obj) -> None:
     """Through a temporary file and a rename: never a half-written file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    atomic_write_text(path, json.dumps(obj, indent=1) + "\n")
 
 
 def make_model_folder(folder: str | Path, seed: int = 0, config: TinyLlamaConfig = SERVING_CONFIG) -> Path:
