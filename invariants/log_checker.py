@@ -417,7 +417,8 @@ class LogChecker:
                 r.state = "swapped"  # keeps its computed tokens (in the CPU pool)
             else:
                 r.state, r.computed = "waiting", 0
-            if rid in scheduled:
+            # under admit_after_preempt the waiting phase may resume a victim of the same step
+            if rid in scheduled and not (self.cfg.admit_after_preempt and rid in rec.resumed):
                 self.flag("PREEMPT.NOT_SCHEDULED", rec.step, rid, "preempted and scheduled in the same step", "scheduled")
 
     def _check_batching(self, rec: StepRecord, running: list[_Req]) -> None:

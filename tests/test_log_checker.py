@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 
 from batchspec.cli import example_path
+from fuzz.generate import random_trace
 from fuzz.strategies import traces
 from invariants.log_checker import check_log
 from spec.config import resolve
@@ -147,3 +148,21 @@ def test_catalogue_covers_every_check_and_cli_lists_it():
                           env={"COLUMNS": "250", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0
     assert all(i in proc.stdout for i in ids)
+
+
+def test_a_victim_resumed_in_its_own_step_is_legal_only_under_admit_after_preempt():
+    """ADMIT.AFTER_PREEMPT: the waiting phase of a step that preempted may resume that step's victim;
+    without the knob (vLLM V1) the same log breaks PREEMPT.NOT_SCHEDULED."""
+    found = None
+    for seed in range(200):
+        trace = random_trace(seed, admit_after_preempt=True, tight_memory=True)
+        records = run(trace)
+        if any(set(r.preempted) & set(r.resumed) for r in records):
+            found = trace, records
+            break
+    assert found is not None, "no random trace resumes a victim in its own step"
+    trace, records = found
+    cfg = resolve(trace.config)
+    assert flagged(records, cfg, trace) == set()
+    strict = resolve({**trace.config, "admit_after_preempt": False})
+    assert "PREEMPT.NOT_SCHEDULED" in flagged(records, strict, trace)
