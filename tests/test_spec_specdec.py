@@ -8,7 +8,7 @@ part past its known tokens; the waiting loop pads a one-token admission to ``1 +
 appended one by one under ``check_stop``; ``kv_cache_manager.allocate_slots``: slots for
 every scheduled token, cached only up to ``request.num_tokens``).  The spec runs in the
 normal suite; the same scenarios on vLLM's real scheduler are marked ``vllm``
-(``/work/venv-vllm``-style python, ``-m vllm``).
+(run with vLLM's own venv: ``python -m pytest -m vllm``).
 
 Shared shape (tests/scenario_helpers.BASE): block size 4, 16 usable blocks, a 32-token
 budget, max_model_len 64, no prefix caching unless said.
@@ -283,14 +283,16 @@ def test_vllm_random_speculative_traces_agree(capabilities):
     assert report.all_agreed, "\n\n".join(f"seed {o.seed}: {o.explanation}" for o in report.divergent[:5])
 
 
-def test_gpu_engine_refuses_speculative_decoding_by_name():
-    """gpu_engine does not implement speculative decoding yet (issue #15 item 2): it refuses
-    the knob by name instead of running something else."""
+def test_gpu_engine_with_its_model_refuses_speculative_decoding_by_name():
+    """gpu_engine drafts in scheduler-only mode (tests/test_gpu_specdec_diff.py); with its model it
+    has no drafter, so it refuses the knob by name instead of running something else."""
     pytest.importorskip("torch", reason="gpu_engine needs torch")
-    from gpu_engine.engine import check_supported
+    from gpu_engine.engine import GpuEngine, check_supported
 
+    config = resolve({"profile": "vllm-v1", "num_speculative_tokens": 2})
+    check_supported(config)  # implemented without a model
     with pytest.raises(ValueError, match="num_speculative_tokens"):
-        check_supported(resolve({"profile": "vllm-v1", "num_speculative_tokens": 2}))
+        GpuEngine(config, model="tiny")
 
 
 @pytest.mark.vllm

@@ -67,6 +67,7 @@ def _stub_scheduler(policy: str, priority: ZArr | None, arrival: ZArr | None):
     cfg = lifted.config_stub(policy=policy)
     stub = types.SimpleNamespace(config=cfg, priority=priority, arrival=arrival, client_times=False,
                                  estimate=getattr(cfg, "admission", "budget") == "estimate",
+                                 slack_victim=False,  # the policy's victim, not the SLO-slack one
                                  be=types.SimpleNamespace(numpy=True, arange=lambda n, start=0: np.arange(start, start + n)))
     # the engine's own tie key, run on Z3 terms (no client arrival times: ties go by arrival)
     stub._victim_ties = types.MethodType(rebind(Scheduler._victim_ties, {"xp": SYM_XP}), stub)
