@@ -341,7 +341,10 @@ def test_ctrl_c_prints_one_line_and_no_worker_tracebacks(tmp_path):
     corpus = tmp_path / "c"
     proc = subprocess.Popen([sys.executable, "-m", "batchspec.cli", "fuzz", "--engine", "spec", "--seconds", "120",
                              "--workers", "2", "--corpus", str(corpus)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            # as from a terminal: a test run started in the background (`cmd &`) ignores SIGINT,
+                            # and its children inherit that
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert _wait_for(lambda: len(_children(proc.pid)) >= 2 and any(corpus.glob(".campaign-*.json")), 60)
         workers = _children(proc.pid)
