@@ -239,12 +239,7 @@ class GpuEngine:
             tokens = [s.sources[i].output_token(k, self.vocab_size, self.eos_token_id) for i, (_, k, _) in zip(smp, flight)]
         (prev, prev_tokens), self._flight = self._flight, (flight, tokens)
         finished, applied = s.apply_async(prev, prev_tokens, self.eos_token_id)
-        self.num_steps += 1
-        s.clock += 1
-        record = self._record(batch, names, list(applied), np.asarray(list(applied.values()), dtype=np.int64), finished)
-        record.outputs_step = self._last_record.step if self._last_record is not None else -1
-        self._last_record = record
-        return record
+        return self._async_record(batch, names, applied, finished)
 
     def _step_async_verified(self, batch: Batch, names: list[str], smp: list[int]) -> StepRecord:
         """:meth:`_step_async` with speculative decoding: a batch entry's tokens are drawn when
@@ -254,8 +249,13 @@ class GpuEngine:
         flight = [(s.ids[i], int(s.preemptions[i]), batch.drafts.get(s.ids[i], 0), batch.accepts.get(i, 0)) for i in smp]
         (prev, _), self._flight = self._flight, (flight, [])
         finished, applied, batch.accepted = s.apply_async_verified(prev, self.eos_token_id)
+        return self._async_record(batch, names, applied, finished)
+
+    def _async_record(self, batch: Batch, names: list[str], applied: dict, finished) -> StepRecord:
+        """The step's record under async scheduling: this step's batch with the previous
+        step's outputs (``outputs_step``), applied now."""
         self.num_steps += 1
-        s.clock += 1
+        self.sched.clock += 1
         record = self._record(batch, names, list(applied), np.asarray(list(applied.values()), dtype=np.int64), finished)
         record.outputs_step = self._last_record.step if self._last_record is not None else -1
         self._last_record = record
