@@ -336,7 +336,6 @@ BUILT_IN_ENGINES = ("gpu", "gpu-model", "reference")
 
 
 def cmd_fuzz(args) -> int:
-    import dataclasses
     import os
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

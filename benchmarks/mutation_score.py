@@ -432,7 +432,7 @@ def summary(results: list[dict], seconds: float, seed: int, stop_on_finding: boo
 def seeds_table(mutants: list[Mutant], seeds: int, seconds: float, first_seed: int) -> str:
     """Each mutant on ``seeds`` campaign seeds, each campaign ending at its first finding (or after
     ``seconds``): how many seeds caught it, and the time and traces to the first report on each."""
-    lines = [f"| mutant | interaction | caught (seeds) | time to first report per seed | traces to it | rule named |",
+    lines = ["| mutant | interaction | caught (seeds) | time to first report per seed | traces to it | rule named |",
              "|---|---|---:|---|---|---|"]
     print(lines[0] + "\n" + lines[1], flush=True)
     for m in mutants:

@@ -48,7 +48,6 @@ import os
 import random
 import zlib
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from spec.config import KNOB_CHOICES, PROFILES, ConfigError, SchedulerConfig, resolve

@@ -1655,7 +1655,7 @@ class Scheduler:
         a request samples (its output indices ``first .. first + count - 1``).
         Returns ``(0, [])`` when fewer than two steps qualify: run them one by one.
         """
-        c, bs = self.config, self.bs
+        bs = self.bs
         run = self.running
         slots = xp.to_list(run)
         t = xp.to_list(self.num_tokens[run])
@@ -1680,7 +1680,7 @@ class Scheduler:
             return 0, []
         pops = sorted((max(b * bs - ti + 1, 0), rank[i], b, i) for i, (ti, h) in enumerate(zip(t, held))
                       for b in range(h, cdiv(ti + k - 1, bs)))
-        free, used = self.pool.num_free, 0
+        free = self.pool.num_free
         for n_before, (j, _, _, _) in enumerate(pops):  # an allocation past the free blocks: a preemption
             if n_before >= free and j < k:
                 k = j

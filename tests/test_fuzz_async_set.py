@@ -12,7 +12,6 @@ from fuzz.campaign import ALL_PROFILES, CampaignConfig, trace_options, validate_
 from fuzz.capabilities import UNDECLARED
 from fuzz.generate import random_trace
 from spec.config import ASYNC_NEEDS, resolve
-from spec.io import OptionError
 from spec.rules import all_rules
 
 RULES = sorted(r.id for r in all_rules().values() if r.fires)  # every rule uncovered: steering is at its widest

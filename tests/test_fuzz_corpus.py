@@ -58,8 +58,6 @@ def test_priority_self_preempt_knob_is_what_separates_vllm_032_from_033():
 
 # -- the findings corpus: one group per bug, its count and smallest example, knob-naming reports ------------------
 
-import json  # noqa: E402
-
 from fuzz import corpus as C  # noqa: E402
 from fuzz.diff import Divergence  # noqa: E402
 from spec.formats import StepRecord, Trace, TraceRequest  # noqa: E402

@@ -9,7 +9,6 @@ import importlib.util
 import sys
 from pathlib import Path
 
-import pytest
 
 from fuzz import pairs as P
 from spec.formats import StepRecord

@@ -13,7 +13,7 @@ import pytest
 from fuzz.campaign import CampaignConfig, Task, run_campaign, run_task
 from fuzz.engines import EngineHang, WatchedEngine
 from fuzz.replay import register_engine
-from fuzz.triage import DELIBERATE, ENGINE_BUG, UNTRIAGED, find_livelock
+from fuzz.triage import DELIBERATE, ENGINE_BUG, find_livelock
 from spec.formats import StepRecord
 from spec.scheduler import SpecEngine
 
