@@ -765,9 +765,14 @@ ASYNC_NEEDS = {"batching": "continuous", "kv_reservation": "step", "admission": 
 def _check_async(cfg: SchedulerConfig) -> None:
     """The error names the other knob, so that a campaign that fixes async_scheduling moves
     that knob to its next value (fuzz.capabilities rotates the knob a ConfigError names)."""
+    _require_vllm_v1(cfg, "async_scheduling=true")
+
+
+def _require_vllm_v1(cfg: SchedulerConfig, feature: str) -> None:
+    """``feature`` is specified with vLLM V1's scheduler only: each knob of ASYNC_NEEDS at its value."""
     for name, value in ASYNC_NEEDS.items():
         if getattr(cfg, name) != value:
-            raise ConfigError(name, f"async_scheduling=true is specified with {name}={value} (vLLM V1's), "
+            raise ConfigError(name, f"{feature} is specified with {name}={value} (vLLM V1's), "
                                     f"not {getattr(cfg, name)!r}")
 
 
@@ -777,10 +782,7 @@ def _check_speculative(cfg: SchedulerConfig) -> None:
     k = cfg.num_speculative_tokens
     if not 0 <= k <= LIMITS["num_speculative_tokens"]:
         raise ConfigError("num_speculative_tokens", f"must be in [0, {LIMITS['num_speculative_tokens']}], got {k}")
-    for name, value in ASYNC_NEEDS.items():
-        if getattr(cfg, name) != value:
-            raise ConfigError(name, f"num_speculative_tokens > 0 is specified with {name}={value} (vLLM V1's), "
-                                    f"not {getattr(cfg, name)!r}")
+    _require_vllm_v1(cfg, "num_speculative_tokens > 0")
     if cfg.policy not in ("fcfs", "priority") or cfg.preemption_victim != "policy":
         raise ConfigError("policy", f"num_speculative_tokens > 0 is specified with policy fcfs or priority "
                                     f"(vLLM's), not {cfg.policy!r}")
