@@ -57,11 +57,16 @@ class StepFacts:
 
 def _shared(block_ids: dict[str, list[int]] | None) -> set[str]:
     """Requests that hold a block another request holds too (a shared prefix block)."""
-    holders: dict[int, set[str]] = {}
-    for rid, blocks in (block_ids or {}).items():
-        for b in blocks:
-            holders.setdefault(b, set()).add(rid)
-    return {rid for owners in holders.values() if len(owners) > 1 for rid in owners}
+    if not block_ids:
+        return set()
+    seen: set[int] = set()
+    twice: set[int] = set()  # blocks an earlier request holds too
+    for blocks in block_ids.values():
+        twice.update(seen.intersection(blocks))
+        seen.update(blocks)
+    if not twice:  # most steps: no block held twice, one pass
+        return set()
+    return {rid for rid, blocks in block_ids.items() if not twice.isdisjoint(blocks)}
 
 
 def step_facts(records: Iterable[StepRecord], budget: int | None = None) -> list[StepFacts]:
@@ -134,8 +139,18 @@ class Interaction:
     shape: Callable[[Trace, random.Random], Trace] | None = None  # reworks a drawn trace towards it (shape_trace)
 
 
+def _needs(first: tuple[str, ...], second: tuple[str, ...]):
+    """Mark a predicate with the two families it needs: it can only be met by a trace in which
+    a rule of each fired somewhere (:func:`interactions_met` skips it otherwise — most traces)."""
+    def wrap(met: Callable[[list[StepFacts]], bool]) -> Callable[[list[StepFacts]], bool]:
+        met.families = (first, second)  # type: ignore[attr-defined]
+        return met
+    return wrap
+
+
 def _same_request(first: tuple[str, ...], second: tuple[str, ...]) -> Callable[[list[StepFacts]], bool]:
     """Some request has a rule of ``first`` and one of ``second`` in one step."""
+    @_needs(first, second)
     def met(facts: list[StepFacts]) -> bool:
         return any(_starts(mine, first) and _starts(mine, second)
                    for f in facts for rid, mine in f.by_request.items() if rid is not None)
@@ -144,6 +159,7 @@ def _same_request(first: tuple[str, ...], second: tuple[str, ...]) -> Callable[[
 
 def _same_step(first: tuple[str, ...], second: tuple[str, ...]) -> Callable[[list[StepFacts]], bool]:
     """One step has a rule of ``first`` (anyone's) and one of ``second`` (anyone's)."""
+    @_needs(first, second)
     def met(facts: list[StepFacts]) -> bool:
         return any(_starts(rules, first) and _starts(rules, second) for rules in (f.rules() for f in facts))
     return met
@@ -151,6 +167,7 @@ def _same_step(first: tuple[str, ...], second: tuple[str, ...]) -> Callable[[lis
 
 def _one_life(first: tuple[str, ...], second: tuple[str, ...]) -> Callable[[list[StepFacts]], bool]:
     """Some request has a rule of ``first`` and, at the same or a later step, one of ``second``."""
+    @_needs(first, second)
     def met(facts: list[StepFacts]) -> bool:
         seen: set[str] = set()
         for f in facts:
@@ -307,7 +324,14 @@ BY_NAME = {i.name: i for i in INTERACTIONS}
 
 def interactions_met(facts: list[StepFacts]) -> list[str]:
     """The names of the curated interactions the trace's facts show, in :data:`INTERACTIONS` order."""
-    return [i.name for i in INTERACTIONS if i.met(facts)]
+    fired = set().union(*(mine for f in facts for mine in f.by_request.values()))
+    return [i.name for i in INTERACTIONS if _may_meet(i, fired) and i.met(facts)]
+
+
+def _may_meet(interaction: Interaction, fired: set[str]) -> bool:
+    """Whether each family the interaction's predicate needs fired somewhere in the trace
+    (True for a predicate that does not say: it is always asked)."""
+    return all(_starts(fired, family) for family in getattr(interaction.met, "families", ()))
 
 
 def trace_pairs(records: Iterable[StepRecord], budget: int | None = None) -> tuple[list[str], list[str]]:

@@ -64,6 +64,33 @@ def test_the_curated_interactions_of_the_hand_made_trace():
     assert "chunked-prefill x prefix-hit" not in met, "A's prefill was never continued in chunks"
 
 
+def test_the_family_prefilter_and_the_shared_block_scan_change_no_result():
+    """interactions_met skips a predicate whose two families did not both fire in the trace (a
+    speed-up): on steered traces it names exactly what asking every predicate names, and
+    _shared finds exactly the requests a block-to-holders map finds."""
+    from fuzz.generate import random_trace
+
+    def holders_shared(block_ids):
+        holders = {}
+        for rid, blocks in (block_ids or {}).items():
+            for b in blocks:
+                holders.setdefault(b, set()).add(rid)
+        return {rid for owners in holders.values() if len(owners) > 1 for rid in owners}
+
+    assert all(getattr(i.met, "families", None) for i in P.INTERACTIONS), "every curated predicate names its families"
+    met_any = 0
+    for k, interaction in enumerate(P.INTERACTIONS):
+        for seed in range(3):
+            trace = random_trace(seed, **{key: v for key, v in interaction.steer.items()}, interaction=interaction.name)
+            facts = P._spec_facts(trace)
+            assert P.interactions_met(facts) == [i.name for i in P.INTERACTIONS if i.met(facts)]
+            met_any += bool(P.interactions_met(facts))
+    assert met_any >= 10, "steered traces meet interactions (else the comparison above says little)"
+    for block_ids in ({"A": [1, 2], "B": [3]}, {"A": [1, 2], "B": [2, 3], "C": [4]}, {"A": [5, 5]},
+                      {"A": [1], "B": [1], "C": [1]}, {}, None):
+        assert P._shared(block_ids) == holders_shared(block_ids)
+
+
 def test_a_shaped_trace_meets_its_interaction_and_stays_reproducible():
     """random_trace(seed, interaction=NAME) is the same trace every time, and the abort it times
     lands on a request that is swapped out at that step in the spec's own run."""
