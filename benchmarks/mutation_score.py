@@ -152,14 +152,10 @@ def _unhashed_to_tail():
 
 
 def _free_not_reversed():
-    def _free_tables(self, slots):
-        held = self.num_blocks[slots]
-        rows, cols = self._table_entries(slots, held, held * 0)  # BUG: head block first
-        groups = xp.repeat(self.be.arange(len(slots)), held)
-        self.pool.free(self.block_table[rows, cols], groups)
-        self.num_blocks[slots] = 0
-        self.num_cached_blocks[slots] = 0
-    return [(Scheduler, "_free_tables", _free_tables)]
+    # BUG: a request's blocks are freed head block first (re-planted in place: a copy of the method
+    # missed the engine's later host-table reset, a second bug)
+    return source_patch(Scheduler, "_free_tables", "self._table_entries(slots, held, held, reverse=True)",
+                        "self._table_entries(slots, held, held * 0)")
 
 
 def _watermark_ignored():

@@ -24,7 +24,7 @@ are equal within a relative 1e-9.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from spec.formats import LEVEL_FIELDS, LEVELS, STATE_FIELDS, StepRecord, fields_at
 
@@ -161,6 +161,8 @@ STATE_RULES = {
     "hit_blocks": "CACHE.HIT",
     "drafts": "SPEC.DRAFT_SCHEDULE",
     "accepted": "SPEC.ACCEPT",
+    "token_cap": "BUDGET.LONG_PREFILL",
+    "ref_counts": "CACHE.TOUCH",
 }
 _FLOAT_FIELDS = ("vtc_counters", "estimate_rem")
 
@@ -179,16 +181,26 @@ def _close(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _state_divergence(step: int, s: StepRecord | None, e: StepRecord | None, level: str, engine: str) -> Divergence | None:
-    """The first state field both records carry and that differs, or None."""
+def _state_divergence(step: int, s: StepRecord | None, e: StepRecord | None, level: str, engine: str,
+                      history: Callable[[], list[StepRecord]] = list) -> Divergence | None:
+    """The first state field both records carry and that differs, or None.  ``history()``: the
+    spec's records before this step (who held a block, who the spec had ended), made only when
+    a field differs."""
     if s is None or e is None:
         return None  # an idle step on one side: its state was not written
     for name in state_fields_at(level):
         a, b = getattr(s, name), getattr(e, name)
         if a is None or b is None or (_close(a, b) if name in _FLOAT_FIELDS else _plain(a) == _plain(b)):
             continue
-        request = _involved(name, a, b) if name not in ("vtc_counters", "estimate_rem") else None
+        if name == "ref_counts":  # a block's references: the step's event on that block
+            rule, who, text = ref_rule(s, e, history())
+            return Divergence(step, name, _plain(a), _plain(b), who, rule, text, DECISION, engine, list(s.reasons or []))
+        request = _involved(name, a, b) if name not in ("vtc_counters", "estimate_rem", "token_cap") else None
         rule, text, context = spec_reason(s, request, name)
+        if name == "computed" and request is not None:  # a victim's reset, or a request the spec ended
+            cause = computed_rule(s, request, history())
+            if cause is not None:
+                return Divergence(step, name, _plain(a), _plain(b), request, cause[0], cause[1], DECISION, engine, context)
         families = _FAMILIES[name]
         if request is None:  # a per-tenant or per-step figure: the step's first reason of its family
             cited = next((r for r in context if str(r.get("rule", "")).startswith(families)), None)
@@ -219,7 +231,23 @@ _FAMILIES = {
     "hit_blocks": ("CACHE.",),
     "drafts": ("SPEC.", "RUN.", "ADMIT.", "BUDGET."),
     "accepted": ("SPEC.ACCEPT", "SPEC.ROLLBACK"),
+    "token_cap": ("BUDGET.LONG_PREFILL",),
+    "ref_counts": ("CACHE.", "KV."),
 }
+
+
+def computed_rule(record: StepRecord, request: str, history: list[StepRecord]) -> tuple[str, str] | None:
+    """``(rule, why)`` behind the spec's computed tokens for ``request`` when an event of the step
+    or before it set them: a preemption at this step (``PREEMPT.RECOMPUTE`` resets them to 0,
+    ``SWAP.OUT`` keeps them, ``RETRACT.TO_TAIL`` resets), or an end the spec had already decided
+    (the engine still counts a request the spec aborted or finished: :func:`ended_rule`)."""
+    if request in record.preempted:
+        rule = _preempt_rule(record, request)
+        return rule, f"{request} was preempted in this step ({rule}): its computed tokens are what that rule leaves"
+    ended = ended_rule(list(history) + [record], request)
+    if ended is not None and request not in (record.computed or {}):
+        return ended, f"the spec ended {request} ({ended}); it still counts on the engine's side"
+    return None
 
 
 # -- the rule behind a memory value (issue 18 item 3) ------------------------------------------------
@@ -245,16 +273,78 @@ def _hit_admissions(record: StepRecord) -> list[str]:
 def _last_release(history: list[StepRecord], block: int) -> tuple[str, str] | None:
     """``(request, rule)`` of the last event before now that released ``block`` to the free queue
     (a preemption, retraction, abort or finish of a request that held it), from the spec's records."""
+    event = _release_event(history, block)
+    return event[1:] if event else None
+
+
+def _release_event(history: list[StepRecord], block: int) -> tuple[int, str, str] | None:
+    """``(step, request, rule)`` of the last release of ``block`` in ``history`` (see :func:`_last_release`)."""
     held_by: dict[int, str] = {}
     last = None
     for rec in history:
         gone = set(rec.preempted) | set(rec.aborted) | {r for r, _ in rec.finished}
         for rid in gone:
             if held_by.get(block) == rid:
-                last = (rid, _preempt_rule(rec, rid) if rid in rec.preempted else
+                last = (rec.step, rid, _preempt_rule(rec, rid) if rid in rec.preempted else
                         "ABORT.FREE" if rid in rec.aborted else "KV.FREE_ORDER")
         held_by = {b: rid for rid, ids in (rec.block_ids or {}).items() for b in ids}
     return last
+
+
+def one_release(spec: StepRecord, engine: StepRecord, request: str | None, history: list[StepRecord]) -> str | None:
+    """Why, when the first block on which the two sides' tables for ``request`` differ is, on both
+    sides, a block one request released in one event: the blocks of that release re-entered the
+    free queue in another order, which the order a request returns its blocks decides
+    (``KV.FREE_REVERSED``), not where the queue puts a release (``KV.FREE_ORDER``).  None otherwise."""
+    if not history:
+        return None
+    ours, theirs = (spec.block_ids or {}).get(request) or [], (engine.block_ids or {}).get(request) or []
+    pos = next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), None)
+    if pos is None:
+        return None
+    records = list(history) + [spec]  # (a release of this step counts: a victim's blocks re-used at once)
+    x, y = _release_event(records, ours[pos]), _release_event(records, theirs[pos])
+    if x is None or y is None or x[:2] != y[:2]:
+        return None
+    return (f"blocks {ours[pos]} (spec) and {theirs[pos]} ({request}'s table position {pos}) were both released by "
+            f"{x[1]} at step {x[0]} ({x[2]}): the order of one request's release")
+
+
+def ref_rule(spec: StepRecord, engine: StepRecord | None, history: list[StepRecord]) -> tuple[str, str | None, str]:
+    """``(rule, request, why)`` for reference counts that differ (``ref_counts``): of the blocks whose
+    count differs, the first an event of the spec's step touched — released by a request that held
+    it (a preemption's rule, ``ABORT.FREE``, or ``KV.FREE_ORDER`` for a finish), or taken by a
+    prefix hit (``CACHE.TOUCH``) or an allocation (``KV.NO_FREE_BLOCKS``).  A count no event of
+    the step explains names ``CACHE.TOUCH``: besides an allocation, only a hit takes a reference."""
+    ours, theirs = spec.ref_counts or {}, (engine.ref_counts if engine else None) or {}
+    odd = [k for k in list(ours) + [k for k in theirs if k not in ours] if ours.get(k) != theirs.get(k)]
+    before = (history[-1].block_ids if history else None) or {}
+    now = spec.block_ids or {}
+    hits = spec.hit_blocks or {}
+    finished = {r for r, _ in spec.finished}
+    for key in odd:
+        block, extra = int(key), theirs.get(key, 0) > ours.get(key, 0)
+        for rid in (r for r, ids in before.items() if block in ids):
+            if extra and any(str(b) not in odd for b in before[rid] if b != block):
+                continue  # its release dropped its other blocks' references: this one's extra came from elsewhere
+            if rid in spec.preempted:
+                rule = _preempt_rule(spec, rid)
+                return rule, rid, f"block {block} was held by {rid}, preempted in this step ({rule})"
+            if rid in spec.aborted:
+                return "ABORT.FREE", rid, f"block {block} was held by {rid}, aborted in this step"
+            if rid in finished:
+                return "KV.FREE_ORDER", rid, f"block {block} was held by {rid}, which finished and released it"
+        for rid in (r for r, ids in now.items() if block in ids):
+            if block in hits.get(rid, ()):
+                return "CACHE.TOUCH", rid, f"{rid}'s prefix hit took a reference on block {block}"
+            if history and block not in before.get(rid, ()):
+                return "KV.NO_FREE_BLOCKS", rid, f"block {block} was allocated to {rid} in this step"
+    key = odd[0] if odd else "?"
+    extra = theirs.get(key, 0) > ours.get(key, 0)
+    return ("CACHE.TOUCH" if extra else "KV.FREE_ORDER", None,
+            f"block {key}: {ours.get(key, 0)} references (spec), {theirs.get(key, 0)} (engine), and no release of the "
+            f"spec's step explains it: " + ("besides an allocation only a prefix hit takes a reference" if extra
+                                             else "only a release drops a reference"))
 
 
 def _was_swapped(history: list[StepRecord], request: str) -> bool:
@@ -296,8 +386,15 @@ def memory_rule(name: str, spec: StepRecord | None, engine: StepRecord | None, r
     if name in ("blocks", "block_ids"):
         if request in hit:
             return "CACHE.HIT", request, f"{request} was admitted with a prefix hit"
+        if name == "block_ids" and engine is not None:
+            same = one_release(spec, engine, request, history)
+            if same is not None:
+                return "KV.FREE_REVERSED", request, same
         return ("KV.NO_FREE_BLOCKS" if name == "blocks" else "KV.FREE_ORDER"), request, None
     if name == "num_free_blocks":
+        if engine is not None and spec.ref_counts is not None and engine.ref_counts is not None \
+                and spec.ref_counts != engine.ref_counts:  # a block's references differ: the event on that block
+            return ref_rule(spec, engine, history)
         counts_agree = engine is None or (spec.blocks or {}) == (engine.blocks or {})
         if not counts_agree:  # an allocation differs: the first request whose count differs
             who = _involved("blocks", spec.blocks or {}, engine.blocks or {})
@@ -369,9 +466,15 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
     * ``scheduled``, the request on both sides with a different token count: its prefix hit when the
       two sides' hits differ (``CACHE.HIT``), else the token rule (``BUDGET.TOKENS``);
     * ``resumed``, both sides resuming but not the same requests in the same order: the order
-      preempted requests wait in (``QUEUE.VICTIM_TO_FRONT``)."""
+      preempted requests wait in (``QUEUE.VICTIM_TO_FRONT``);
+    * any of ``scheduled`` / ``new`` / ``resumed`` in a step whose per-request token cap differs
+      (``token_cap``, when both logs carry it): the cap rule (``BUDGET.LONG_PREFILL``), whose
+      statement says who is capped and who, alone, is not."""
     if spec is None or engine is None or request is None:
         return None
+    if name in _BUDGETED and spec.token_cap is not None and engine.token_cap is not None \
+            and spec.token_cap != engine.token_cap:  # the per-request cap differs: the cap rule decided it
+        return "BUDGET.LONG_PREFILL"
     if name == "scheduled":
         a, b = dict(spec.scheduled), dict(engine.scheduled)
         if request not in a or request not in b or a[request] == b[request]:
@@ -433,9 +536,11 @@ def spec_reason(record: StepRecord | None, request: str | None, field_name: str 
 
 
 def first_divergence(spec_records: Iterable[StepRecord], engine_records: Iterable[StepRecord],
-                     level: str = "exact", engine: str = "engine") -> Divergence | None:
+                     level: str = "exact", engine: str = "engine", history: Iterable[StepRecord] = ()) -> Divergence | None:
     """The first step and field where the logs differ at ``level``, or ``None``.
 
+    ``history``: the spec's records before the first of ``spec_records``, not compared (a lock-step
+    replay diffs one step at a time): the blame of a memory or state field looks back into them.
     Raises :class:`LevelError` if a log record lacks the fields ``level`` compares.
     """
     if level not in LEVELS:
@@ -445,6 +550,7 @@ def first_divergence(spec_records: Iterable[StepRecord], engine_records: Iterabl
     _check_level(engine_records, level, engine)
     by_spec = {r.step: r for r in spec_records}
     by_engine = {r.step: r for r in engine_records}
+    before = list(history)
     names = fields_at(level)
     for step in sorted(set(by_spec) | set(by_engine)):
         s, e = by_spec.get(step), by_engine.get(step)
@@ -459,7 +565,7 @@ def first_divergence(spec_records: Iterable[StepRecord], engine_records: Iterabl
             else:
                 request = _involved(name, a, b)
             rule, text, context = spec_reason(s, request, name)
-            history = [by_spec[k] for k in sorted(by_spec) if k < step]
+            history = before + [by_spec[k] for k in sorted(by_spec) if k < step]
             late = ghost(s, e, history) if name in _BUDGETED else None
             if late is not None:  # the engine runs a request the spec had ended: the rule that ended it
                 return Divergence(step, late[0], a if late[0] == name else _value(s_rec, late[0], s is None),
@@ -477,7 +583,7 @@ def first_divergence(spec_records: Iterable[StepRecord], engine_records: Iterabl
                     rule, request = cause, who if who is not None else request
                     text = why or f"the spec's {name} after step {step}"
             return Divergence(step, name, a, b, request, rule, text, DECISION, engine, context)
-        state = _state_divergence(step, s, e, level, engine)
+        state = _state_divergence(step, s, e, level, engine, lambda: before + [by_spec[k] for k in sorted(by_spec) if k < step])
         if state is not None:
             return state
     return None

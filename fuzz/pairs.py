@@ -217,6 +217,54 @@ def _abort_while(states: tuple[str, ...]) -> Callable[[Trace, random.Random], Tr
     return shape
 
 
+def _victims_resumed(facts: list[StepFacts]) -> bool:
+    """Two or more requests preempted in one step, two of them resumed later: the order the
+    victims wait in (re-inserted at the queue's front one by one) decides which resumes first."""
+    waiting: list[set[str]] = []
+    for f in facts:
+        resumed = {rid for rid, mine in f.by_request.items() if rid is not None and "ADMIT.RESUMED" in mine}
+        if any(len(group & resumed) >= 2 for group in waiting):
+            return True
+        waiting = [group - {rid for rid, mine in f.by_request.items() if _starts(mine, PREEMPTING)} for group in waiting]
+        victims = {rid for rid, mine in f.by_request.items() if rid is not None and _starts(mine, PREEMPTING)}
+        if len(victims) >= 2:
+            waiting.append(victims)
+        waiting = [group for group in waiting if len(group) >= 2]
+    return False
+
+
+_victims_resumed.families = (PREEMPTING, ("ADMIT.RESUMED",))  # type: ignore[attr-defined]  (interactions_met)
+
+
+def _one_long_many_short(trace: Trace, rng: random.Random) -> Trace:
+    """The first request gets a prompt that nearly fills the usable blocks and a few outputs; the
+    others, arriving with it, short prompts of at most a block.  Under a long-prefill cap the short
+    ones are admitted beside the long prefill's first chunk; once the pool runs dry, one chunk of
+    the long prefill needs more blocks than one short request frees, so one allocation preempts
+    several newest requests at once, and they resume after the long one finishes."""
+    from spec.config import resolve
+
+    config = resolve(trace.config)
+    bs, usable = config.block_size, config.num_blocks - (1 if config.null_block else 0)
+    order = sorted(trace.requests, key=lambda r: (r.arrival_step or 0, r.id))
+    if usable < 4 or not order or any(r.prompt is not None for r in order):
+        return trace
+    first = order[0].id
+    outputs = rng.randint(1, bs)
+    longest = min(config.max_model_len - 1 - outputs, (usable - 1) * bs - outputs)
+    out = []
+    for r in trace.requests:
+        if r.id == first:
+            r = replace(r, prompt_len=max(1, rng.randint(max(1, longest - bs), max(1, longest))), max_tokens=outputs,
+                        prefix_group=None, prefix_len=0, arrival_step=0, abort_at=None, ignore_eos=True)
+        else:
+            r = replace(r, prompt_len=rng.randint(1, bs), prefix_group=None, prefix_len=0, arrival_step=0,
+                        max_tokens=max(1, min(r.max_tokens, 2 * bs)), abort_at=None)
+        out.append(r)
+    out.sort(key=lambda r: r.id != first)
+    return replace(trace, requests=out)
+
+
 def _later_more_important(trace: Trace, rng: random.Random) -> Trace:
     """Priorities that fall with arrival (a later request more important, 0 the most): the running
     list then holds older, less important requests ahead of newer ones, so a priority victim is
@@ -302,6 +350,14 @@ INTERACTIONS: tuple[Interaction, ...] = (
                  "preemption_mode": "recompute",
                  "max_num_batched_tokens": 32, "enable_chunked_prefill": True},
                 {"admission": ("estimate",), "enable_prefix_caching": (True,)}),
+    Interaction("several victims x resume",
+                "two or more requests preempted in one step and resumed later: the victims return to the "
+                "queue's front one by one, so the last one preempted resumes first",
+                _victims_resumed,
+                {**_PRESSURE, "policy": "fcfs", "preemption_mode": "recompute", "admission": "budget",
+                 "enable_chunked_prefill": True, "max_num_batched_tokens": 32, "block_size": 4,
+                 "enable_prefix_caching": False, "long_prefill_token_threshold": 16, "async_scheduling": False},
+                {"policy": ("fcfs",), "preemption_mode": ("recompute",)}, _one_long_many_short),
     Interaction("resume x prefix-hit",
                 "a preempted request resumes with a prefix hit on blocks it (or another) left cached",
                 _same_request(("ADMIT.RESUMED",), ("CACHE.HIT",)),

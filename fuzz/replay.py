@@ -390,7 +390,8 @@ def _lock_step(trace: Trace, eng, name: str, level: str, t0: float, after: int |
                 break
         s_rec = spec_recs[-1] if spec_recs and spec_recs[-1].step == k else None
         if found is None and not _same(s_rec, e_rec, names, optional):
-            found = first_divergence([s_rec] if s_rec else [], [e_rec] if e_rec else [], level, engine=name)
+            found = first_divergence([s_rec] if s_rec else [], [e_rec] if e_rec else [], level, engine=name,
+                                     history=spec_recs[:-1] if s_rec else spec_recs)
             if found is not None:
                 if after is not None:
                     stop_at = k + after

@@ -24,7 +24,7 @@ from spec.formats import (DEFAULT_EOS_TOKEN_ID, DEFAULT_VOCAB_SIZE, LEVELS, Step
 
 from gpu_engine import xp
 from gpu_engine.model import AttentionMetadata, LlamaConfig, PagedLlama
-from gpu_engine.scheduler import Batch, Scheduler, salt_root
+from gpu_engine.scheduler import PREEMPTED, SWAPPED, Batch, Scheduler, salt_root
 
 
 def make_model(model, device="cpu", dtype: torch.dtype = torch.float32, seed: int = 0,
@@ -428,6 +428,10 @@ class GpuEngine:
         tokens, VTC counters, the estimate's rem, cache registrations (ordinals), hit blocks."""
         s = self.sched
         rec.computed = dict(zip(self._names(s.running), xp.to_list(s.num_computed_tokens[s.running])))
+        waiting = xp.nonzero((s.status == PREEMPTED) | (s.status == SWAPPED))  # victims: reset, or swapped out
+        if len(waiting):
+            rec.computed.update(zip(self._names(waiting), xp.to_list(s.num_computed_tokens[waiting])))
+        rec.token_cap = batch.token_cap
         if s.tc is not None:
             rec.vtc_counters = {name: float(s.tc.counter[t]) for name, t in s.tc.index.items()}
         registered, s.registered = s.registered, {}
@@ -437,3 +441,5 @@ class GpuEngine:
         rec.cache_registered = registered if s.caching else None
         if self.level == "exact":
             rec.hit_blocks = batch.hit_blocks
+            held = xp.nonzero(s.pool.ref_cnt != 0)  # the pool's own reference counts, not the tables'
+            rec.ref_counts = dict(zip(map(str, xp.to_list(held)), xp.to_list(s.pool.ref_cnt[held])))

@@ -113,6 +113,7 @@ class Batch:
     drafts: dict[str, int] = field(default_factory=dict)  # speculative decoding: request -> drafts scheduled
     accepts: dict[int, int] = field(default_factory=dict)  # slot -> drafts its verification accepts
     accepted: dict[str, int] = field(default_factory=dict)  # after the update: request -> drafts accepted
+    token_cap: int | None = None  # logged state: the per-request token cap the phases applied (long-prefill knob set)
 
 
 class Scheduler:
@@ -698,6 +699,8 @@ class Scheduler:
         budget = c.max_num_batched_tokens
         empty = self._empty
         batch = Batch(empty, empty, empty, empty)
+        if c.long_prefill_token_threshold:
+            batch.token_cap = cap
         slots1 = n1 = slots_in = n_in = slots_c = n_c = slots2 = n2 = empty
         starved = not len(self.running) and (self.num_waiting > 0 or self.num_swapped > 0)
         had_cut = self.plan_hold and any(self.ids[s] == rid and int(self.status[s]) == RUNNING for s, rid in self.cut)
@@ -898,10 +901,17 @@ class Scheduler:
         left = np.maximum(h(self.max_tokens[slots]) - h(self.num_output_tokens[slots]), 0)
         return np.minimum(left, self.config.clip_max_new_tokens)
 
+    def _note_cap(self, batch: Batch, cap: int) -> None:
+        """Logged state ``token_cap``: the per-request cap a phase applies, as it applies it
+        (the largest, were two phases of one step to apply different caps)."""
+        if batch.token_cap is not None:
+            batch.token_cap = max(batch.token_cap, cap)
+
     def _schedule_swapped(self, batch: Batch, budget: int, cap: int, scheduled: int = 0):
         """SWAP.IN: the swapped queue's head prefix that fits (:func:`formulas.swap_in`)
         rejoins the running list's tail, computing its next chunk in this step
         (``scheduled``: requests already in this step's batch)."""
+        self._note_cap(batch, cap)
         c = self.config
         width = min(self.num_swapped, self._room(scheduled))
         empty = self.be.empty_int()
@@ -987,6 +997,7 @@ class Scheduler:
         """Phase 1 in segments: each segment is the closed form up to the next failed
         allocation; a failure is one preemption event (the only Python loop).
         ``served``: EDF's at-risk decodes, already in the batch (the walk skips them)."""
+        self._note_cap(batch, cap)
         c = self.config
         limit = c.max_num_seqs if self.step_scope else None  # BATCH.MAX_NUM_SEQS_PER_STEP
         early = served is not None and len(served[0]) > 0
@@ -1166,6 +1177,7 @@ class Scheduler:
         (see :meth:`_lookup_window`); the next round looks it up again.
         ``scheduled``: requests already in this step's batch (:meth:`_room`,
         ADMIT.CHUNK_ONLY_FIRST)."""
+        self._note_cap(batch, cap)
         c = self.config
         out_slots, out_n = [], []
         continued = continued if continued is not None else (self.be.empty_int(), self.be.empty_int())

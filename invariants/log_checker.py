@@ -863,11 +863,17 @@ class LogChecker:
         s, cfg, bs = rec.step, self.cfg, self.cfg.block_size
         if rec.computed is not None:
             running = {r.request_id: r for r in self.running()}
-            for rid in sorted(set(rec.computed) ^ set(running)):
-                self.flag("LOG.STATE_CONSISTENT", s, rid, "computed must name exactly the running requests", "computed")
+            # a request waiting after a preemption (0 computed) or swapped out (its tokens kept) may be named too
+            victims = {r.request_id: r for r in self.reqs.values() if r.state == "swapped" or (r.state == "waiting" and r.preempted)}
+            for rid in sorted((set(rec.computed) - set(victims)) ^ set(running)):
+                self.flag("LOG.STATE_CONSISTENT", s, rid, "computed must name exactly the running requests "
+                          "(and those waiting after a preemption)", "computed")
             for rid, n in rec.computed.items():
                 r = running.get(rid)
                 if r is None:
+                    if rid in victims and n != victims[rid].computed:
+                        self.flag("LOG.STATE_CONSISTENT", s, rid, f"computed {n} while preempted; the log implies "
+                                  f"{victims[rid].computed}", "computed")
                     continue
                 if r.hit_unknown:  # the chunks since admission plus an unlogged hit of whole blocks
                     if n < r.computed or (n - r.computed) % bs:

@@ -321,11 +321,14 @@ class StepRecord:
     # Absent (None): the record's own step, as with synchronous scheduling.
     outputs_step: int | None = None
     # optional state where bugs hide, written when the engine logs it (see STATE_FIELDS)
-    computed: dict[str, int] | None = None  # running request -> num_computed_tokens, end of step
+    # running request, or one waiting after a preemption (swapped out too) -> num_computed_tokens, end of step
+    computed: dict[str, int] | None = None
     vtc_counters: dict[str, float] | None = None  # policy="vtc": tenant -> virtual token counter, end of step
     estimate_rem: float | None = None  # admission="estimate": rem_total_tokens as the admission round began
     cache_registered: dict[str, list[int]] | None = None  # request -> block ordinals registered in the prefix cache
     hit_blocks: dict[str, list[int]] | None = None  # admitted request -> ids of its prefix-hit blocks
+    token_cap: int | None = None  # long_prefill_token_threshold > 0: the per-request token cap the step applied (0 none)
+    ref_counts: dict[str, int] | None = None  # block id (as a string) -> reference count, each block a running request holds
     # speculative decoding (num_speculative_tokens > 0): request -> draft tokens scheduled in this
     # step's batch (padded admissions' dummy drafts included), and request -> drafts accepted among
     # the outputs this record applies (before a stop token trims them); only requests with drafts
@@ -400,6 +403,8 @@ class StepRecord:
             estimate_rem=obj.get("estimate_rem"),
             cache_registered=obj.get("cache_registered"),
             hit_blocks=obj.get("hit_blocks"),
+            token_cap=obj.get("token_cap"),
+            ref_counts=obj.get("ref_counts"),
             drafts=obj.get("drafts"),
             accepted=obj.get("accepted"),
         )
@@ -430,13 +435,16 @@ LEVEL_FIELDS = {
 #: leave any of them out; the differ compares one only when both logs carry it, after the
 #: level's own fields, so a divergence shows at the first step where any compared state
 #: differed.  ``cache_registered`` names blocks by ordinal (position in the request), which
-#: engines share; ``hit_blocks`` names block ids, which only the exact level compares.
+#: engines share; ``hit_blocks`` names block ids, which only the exact level compares, and so
+#: does ``ref_counts`` (a reference taken or dropped wrongly shows at once, not at a later release).
 STATE_FIELDS = {
     "computed": "decisions",
     "vtc_counters": "decisions",
     "estimate_rem": "memory",
     "cache_registered": "memory",
     "hit_blocks": "exact",
+    "token_cap": "decisions",
+    "ref_counts": "exact",
     "drafts": "decisions",
     "accepted": "decisions",
 }

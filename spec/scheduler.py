@@ -174,6 +174,7 @@ class SchedulerOutput:
     estimate_rem: float | None = None  # admission="estimate": rem_total_tokens as the admission round began
     drafts: dict[str, int] = field(default_factory=dict)  # speculative decoding: request -> drafts scheduled
     padded: set[str] = field(default_factory=set)  # admissions padded with dummy drafts (SPEC.PAD_ADMISSION)
+    token_cap: int | None = None  # logged state: the step's per-request token cap (BUDGET.LONG_PREFILL), when set
 
     @property
     def samplers(self) -> list[str]:
@@ -1120,6 +1121,8 @@ class SpecEngine:
             starved=not self.running and (len(self.waiting) > 0 or bool(self.swapped)),
             start={r.request_id: r.num_computed_tokens for r in self.running},
         )
+        if self.config.long_prefill_token_threshold:  # the cap every phase of this step applies
+            st.out.token_cap = st.cap
         for run_phase in self.phases:
             run_phase(st)
             if st.step_ends:
@@ -1785,6 +1788,10 @@ class SpecEngine:
         """The optional state fields (spec.formats.STATE_FIELDS) up to ``record_level``: the
         state a bug corrupts before any decision shows it."""
         record.computed = {r.request_id: r.num_computed_tokens for r in self.running}
+        for req in list(self.waiting) + self.swapped:  # a victim's reset shows when it is preempted
+            if req.status in (Status.PREEMPTED, Status.SWAPPED):
+                record.computed[req.request_id] = req.num_computed_tokens
+        record.token_cap = out.token_cap
         if self.vtc:
             record.vtc_counters = dict(self.waiting.counters)
         registered = self.kv.take_registered()
@@ -1794,6 +1801,8 @@ class SpecEngine:
         record.cache_registered = registered if self.config.enable_prefix_caching else None
         if self.record_level == "exact":
             record.hit_blocks = out.hit_blocks
+            # each held block's reference count, read from the block (KV.FREE_ORDER, CACHE.TOUCH)
+            record.ref_counts = {str(b.block_id): b.ref_cnt for t in self.kv.req_blocks.values() for b in t}
 
 
 #: Running-phase checks by rule id (StepPlan.running_checks).

@@ -147,8 +147,8 @@ def test_the_spec_logs_each_state_field_at_its_level():
     for level in ("decisions", "memory", "exact"):
         for rec in _state_log(trace, level):
             for name in STATE_FIELDS:
-                if name in ("vtc_counters", "estimate_rem", "drafts", "accepted"):
-                    continue  # only under policy=vtc / admission=estimate / speculative decoding
+                if name in ("vtc_counters", "estimate_rem", "drafts", "accepted", "token_cap"):
+                    continue  # only under policy=vtc / admission=estimate / speculative decoding / a long-prefill cap
                 carried = rec.to_json(level).get(name) is not None
                 assert carried == (name in state_fields_at(level)), (level, name)
     assert all(r.computed is None for r in _state_log(trace, record_reasons=False))  # the simulator's fast mode
