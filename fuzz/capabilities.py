@@ -627,33 +627,76 @@ RULE_NEEDS: dict[str, dict[str, Any]] = {
     "CACHE.SALT": {"enable_prefix_caching": (True,), "request_features": (True,)},
     "CACHE.SKIP_READ": {"enable_prefix_caching": (True,), "request_features": (True,)},
     "CACHE.LATEST_WINS": {"enable_prefix_caching": (True,), "cache_duplicates": ("latest",)},
-    "CACHE.REGISTER_AT_ALLOCATION": {"enable_prefix_caching": (True,), "cache_register": ("allocation",)},
-    "CACHE.REGISTER_WHEN_COMPUTED": {"enable_prefix_caching": (True,), "cache_register": ("computed",)},
+    # the registration primitive (kv.cache_full_block) serves cache_register=computed too
+    "CACHE.REGISTER_AT_ALLOCATION": {"enable_prefix_caching": (True,)},
+    # every registration after the forward pass ("computed", SGLang's "prefill-and-finish")
+    "CACHE.REGISTER_WHEN_COMPUTED": {"enable_prefix_caching": (True,), "cache_register": lambda v: v != "allocation"},
     "KV.FREE_TO_TAIL": {"free_block_order": ("tail",)},
     "ESTIMATE.ADMIT": {"admission": ("estimate",)}, "ESTIMATE.RATIO": {"admission": ("estimate",)},
     "ESTIMATE.REMAINING": {"admission": ("estimate",)}, "RETRACT.TO_TAIL": {"admission": ("estimate",)},
     "RETRACT.VICTIM_FEWEST_OUTPUTS": {"admission": ("estimate",)},
 }
 
+#: Rules a step plan names (:func:`spec.config.step_plan`) that the spec also reaches outside it:
+#: the cache primitives and the budget and room checks the scheduler cites wherever they bind.
+#: Found by running the spec in each envelope (tests/test_campaign_table.py).
+PLAN_AND_ELSEWHERE = frozenset({"KV.NO_FREE_BLOCKS", "ADMIT.FULL_SEQUENCE", "PREEMPT.RECOMPUTE", "SWAP.OUT",
+                                "ADMIT.MAX_NUM_SEQS", "BATCH.MAX_NUM_SEQS_PER_STEP", "VTC.CHARGE", "ABORT.FREE"})
+
+
+@functools.lru_cache(maxsize=None)
+def plan_gated() -> frozenset[str]:
+    """The rules the step plan chooses among: the scheduler reaches each only through its plan (the
+    victim order, the requeue, when outputs are applied, the admission checks, the speculative-decoding
+    rules, the arrival refusals and shaping), so one fires only where some configuration inside the
+    envelope, all its knobs taken together, puts it in the plan — SPEC.PROPOSE never with
+    async_scheduling pinned true (drafts are placeholders there, SPEC.ASYNC_DRAFT_PLACEHOLDERS), the
+    vLLM victim orders never under SGLang's estimate admission.  Derived, not listed: every rule id
+    some profile's plan names, or names with one knob changed (:data:`KNOB_CHOICES` values, booleans
+    flipped, one draft), less :data:`PLAN_AND_ELSEWHERE`."""
+    out: set[str] = set()
+    for prof in PROFILES.values():
+        base = prof.config
+        variants = [{}] + [{f.name: not getattr(base, f.name)} for f in fields(SchedulerConfig)
+                           if isinstance(getattr(base, f.name), bool)]
+        variants += [{k: v} for k, vs in KNOB_CHOICES.items() for v in vs]
+        variants += [{"num_speculative_tokens": 1}, {"num_speculative_tokens": 1, "async_scheduling": True},
+                     {"num_speculative_tokens": 1, "spec_cache_at_output": True}]
+        for knobs in variants:
+            try:
+                cfg = resolve({**_ROOMY, **dataclasses.asdict(base), **knobs})
+            except (ConfigError, TypeError, ValueError):
+                continue
+            out |= plan_rule_ids(cfg)
+    return frozenset(out - PLAN_AND_ELSEWHERE)
+
+
+def plan_rule_ids(cfg: SchedulerConfig) -> frozenset[str]:
+    """The rule ids ``cfg``'s step plan names (victim, requeue, room, checks, outputs, drafts, ...)."""
+    from spec.config import step_plan
+
+    plan = step_plan(cfg)
+    return frozenset({plan.victim, plan.preempt, plan.requeue, plan.room, plan.reservation, plan.outputs,
+                      plan.abort_running, *plan.admission_checks, *plan.on_schedule, *plan.running_checks,
+                      *plan.speculative, *plan.refusals, *plan.on_arrival})
+
+
 #: Values tried for a numeric knob that is drawn freely or declared as a range.
 _PROBES = (0, 0.05, 1, 2, 8, 1 << 20)
 
 
-def knob_can(envelope: Envelope, knob: str, test: Any, profile: str | None = None,
-             fixed: Mapping[str, Any] | None = None) -> bool:
-    """Whether a campaign against ``envelope`` (over ``profile``, with ``fixed`` knobs from
-    ``--set``) can draw a value of ``knob`` that passes ``test`` (values, or a callable)."""
-    ok = test if callable(test) else (lambda v: v in test)
-    if knob == "request_features":
-        return ok(envelope.request_features)
+def knob_values(envelope: Envelope, knob: str, profile: str | None = None,
+                fixed: Mapping[str, Any] | None = None) -> list:
+    """The values of ``knob`` a campaign against ``envelope`` (over ``profile``, with ``fixed`` knobs
+    from ``--set``) can draw, as far as a rule's needs tell them apart (numeric knobs: probes)."""
     if fixed and knob in fixed:
-        return ok(fixed[knob])
+        return [fixed[knob]]
     if profile not in (None, "all"):
         from fuzz.generate import profile_knobs
 
         pinned = profile_knobs(profile)
         if knob in pinned:
-            return ok(pinned[knob])
+            return [pinned[knob]]
     kind = _TYPES[knob]
     if kind is bool:
         values: Iterable = (False, True)
@@ -663,18 +706,77 @@ def knob_can(envelope: Envelope, knob: str, test: Any, profile: str | None = Non
         values = envelope.knobs[knob]
     else:
         allowed = envelope.knobs.get(knob, Range()) if not envelope.everything else Range()
-        values = [kind(v) for v in (*_PROBES, allowed.lo, allowed.hi) if v is not None and v in allowed]
-    return any(envelope.allows(knob, v) and ok(v) for v in values)
+        own = getattr(PROFILES[envelope.profile].config, knob)  # an undeclared knob keeps it
+        values = [kind(v) for v in (*_PROBES, allowed.lo, allowed.hi, own) if v is not None and v in allowed]
+    return list(dict.fromkeys(v for v in values if envelope.allows(knob, v)))
+
+
+def knob_can(envelope: Envelope, knob: str, test: Any, profile: str | None = None,
+             fixed: Mapping[str, Any] | None = None) -> bool:
+    """Whether a campaign against ``envelope`` (over ``profile``, with ``fixed`` knobs from
+    ``--set``) can draw a value of ``knob`` that passes ``test`` (values, or a callable)."""
+    ok = test if callable(test) else (lambda v: v in test)
+    if knob == "request_features":
+        return ok(envelope.request_features)
+    return any(ok(v) for v in knob_values(envelope, knob, profile, fixed))
+
+
+#: The most configurations :func:`envelope_configs` enumerates; a larger envelope (one that varies
+#: many knobs, such as the whole map) is judged knob by knob.
+MAX_CONFIGS = 50_000
+
+
+def envelope_configs(envelope: Envelope, profile: str | None = None,
+                     fixed: Mapping[str, Any] | None = None) -> list[SchedulerConfig] | None:
+    """The configurations a campaign against ``envelope`` can draw, as far as the rules' needs and
+    the step plan tell them apart: every combination of the values of the knobs the envelope lets
+    vary (:func:`knob_values`) that the spec accepts, the other knobs at the profile's values.
+    None for an envelope with more than :data:`MAX_CONFIGS` combinations."""
+    import itertools
+    from math import prod
+
+    base = envelope.profile if not envelope.everything else "vllm-v1"
+    if profile not in (None, "all"):
+        base = profile
+    needs = {k for test in RULE_NEEDS.values() for k in test if k != "request_features"}
+    varied = sorted(k for k in _TYPES if k not in _free_knobs(base) or k in needs)
+    choices = [knob_values(envelope, k, profile, fixed) for k in varied]
+    if any(not c for c in choices) or prod(len(c) for c in choices) > MAX_CONFIGS:
+        return None
+    out = []
+    for combo in itertools.product(*choices):
+        options = {"profile": base, **dict(zip(varied, combo))}
+        if refusal(options) is None:
+            out.append(resolve({**_ROOMY, **options}))
+    return out
+
+
+def _meets(cfg: SchedulerConfig, needs: Mapping[str, Any], request_features: bool) -> bool:
+    """Whether ``cfg`` passes every test of a rule's needs."""
+    for knob, test in needs.items():
+        value = request_features if knob == "request_features" else getattr(cfg, knob)
+        if not (test(value) if callable(test) else value in test):
+            return False
+    return True
 
 
 def reachable_rules(envelope: Envelope, rule_ids: Iterable[str], profile: str | None = None,
                     fixed: Mapping[str, Any] | None = None) -> list[str]:
-    """The rules of ``rule_ids`` a campaign against ``envelope`` can fire: each knob a rule
-    needs (:data:`RULE_NEEDS`) can take a value it fires with.  A rule whose needs are not
-    known is counted."""
+    """The rules of ``rule_ids`` a campaign against ``envelope`` can fire: some configuration inside
+    the envelope, its knobs taken together, meets the rule's needs (:data:`RULE_NEEDS`) and, for a
+    rule the step plan chooses (:func:`plan_gated`), has it in its plan.  A rule whose needs are not
+    known is counted.  An envelope too large to enumerate (:data:`MAX_CONFIGS`) is judged knob by
+    knob, each need on its own."""
+    rule_ids = list(rule_ids)
+    configs = envelope_configs(envelope, profile, fixed)
+    if configs is None:
+        return sorted(r for r in rule_ids
+                      if all(knob_can(envelope, k, t, profile, fixed) for k, t in RULE_NEEDS.get(r, {}).items()))
+    plans, gated = [plan_rule_ids(c) for c in configs], plan_gated()
     out = []
     for rule_id in rule_ids:
         needs = RULE_NEEDS.get(rule_id, {})
-        if all(knob_can(envelope, knob, test, profile, fixed) for knob, test in needs.items()):
+        if any(_meets(c, needs, envelope.request_features) and (rule_id not in gated or rule_id in plan)
+               for c, plan in zip(configs, plans)):
             out.append(rule_id)
     return sorted(out)
