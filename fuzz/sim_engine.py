@@ -414,11 +414,12 @@ def _span(engine, result: SimResult, tracker: BatchTracker, cost: CostModel, now
             tracker.computed[rid] += k
             tracker.outputs[rid] += k
         result.tenant_service[tenant_of[rid]] += k
-    result.itl_ns.extend(np.repeat(step_ns, decodes).tolist())
+    # (the int64 arrays' bytes straight into SimResult's array("q") fields: no list of k * R ints)
+    result.itl_ns.frombytes(np.repeat(step_ns, decodes).astype(np.int64, copy=False).tobytes())
     result.decode_tokens += decodes * k
     result.steps += k
-    result.step_end_ns.extend(ends.tolist())
-    result.step_ns.extend(step_ns.tolist())
+    result.step_end_ns.frombytes(ends.astype(np.int64, copy=False).tobytes())
+    result.step_ns.frombytes(step_ns.astype(np.int64, copy=False).tobytes())
     result.in_system.extend([in_system] * k)
     result.running.extend([num_running] * k)
     if usable_blocks is None:

@@ -202,14 +202,18 @@ class BlockPool:
             return out
         self.ref_cnt[out] = 1
         if self.caching:
-            if xp.largest(self.block_hash[out]) >= 0:  # (hash -1: not cached)
-                ev = out[self.block_hash[out] >= 0]
-                for b, h in zip(xp.to_list(ev), xp.to_list(self.block_hash[ev])):
-                    same = self.cached[h]
+            hashes = self.block_hash[out]
+            if xp.largest(hashes) >= 0:  # (hash -1: not cached)
+                cached_mask = hashes >= 0
+                ev = out[cached_mask]
+                evicted = xp.to_list(ev)
+                cached = self.cached
+                for b, h in zip(evicted, xp.to_list(hashes[cached_mask])):
+                    same = cached[h]
                     del same[b]
                     if not same:
-                        del self.cached[h]
-                    self.evicted.append(b)
+                        del cached[h]
+                self.evicted += evicted
                 self.block_hash[ev] = -1
         return out
 

@@ -168,6 +168,23 @@ def test_percentile_is_numpys_linear_interpolation():
     assert percentile([1.0, 2.0], 50) == 1.5
 
 
+def test_stats_of_nanoseconds_equal_stats_of_the_seconds_bit_for_bit():
+    """Stats.of_ns (the ITL's: distinct values and counts) gives exactly Stats.of over the values
+    in seconds: mean through fsum, each percentile, the max; many repeats, few, huge values."""
+    from spec.costmodel import NS_PER_S
+    from spec.metrics import Stats
+
+    rng = random.Random(7)
+    s = 1 / NS_PER_S
+    for n in (1, 2, 3, 7, 100, 5000):
+        for hi in (3, 1000, 10**9, 10**15):
+            ns = [rng.randint(0, hi) for _ in range(n)]
+            assert Stats.of_ns(ns) == Stats.of(v * s for v in ns), (n, hi)
+    ns = [4_826_405] * 999 + [42_133_545] * 20 + [1]  # fsum and a naive sum of the seconds differ here
+    assert Stats.of_ns(ns) == Stats.of(v * s for v in ns)
+    assert Stats.of_ns([]).count == 0 and math.isnan(Stats.of_ns([]).mean)
+
+
 def test_jain_index():
     assert jain_index([5, 5, 5]) == 1.0
     assert jain_index([1, 0, 0]) == pytest.approx(1 / 3)
