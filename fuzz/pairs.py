@@ -218,18 +218,19 @@ def _abort_while(states: tuple[str, ...]) -> Callable[[Trace, random.Random], Tr
 
 
 def _victims_resumed(facts: list[StepFacts]) -> bool:
-    """Two or more requests preempted in one step, two of them resumed later: the order the
-    victims wait in (re-inserted at the queue's front one by one) decides which resumes first."""
-    waiting: list[set[str]] = []
+    """Two or more requests preempted in one step, two of them resumed later (in one step or
+    two): the order the victims wait in (re-inserted at the queue's front one by one) decides
+    which resumes first."""
+    groups: list[tuple[set[str], set[str]]] = []  # (victims of one step, those of them resumed since)
     for f in facts:
         resumed = {rid for rid, mine in f.by_request.items() if rid is not None and "ADMIT.RESUMED" in mine}
-        if any(len(group & resumed) >= 2 for group in waiting):
-            return True
-        waiting = [group - {rid for rid, mine in f.by_request.items() if _starts(mine, PREEMPTING)} for group in waiting]
+        for victims, back in groups:
+            back.update(victims & resumed)
+            if len(back) >= 2:
+                return True
         victims = {rid for rid, mine in f.by_request.items() if rid is not None and _starts(mine, PREEMPTING)}
         if len(victims) >= 2:
-            waiting.append(victims)
-        waiting = [group for group in waiting if len(group) >= 2]
+            groups.append((victims, set()))
     return False
 
 

@@ -156,7 +156,8 @@ def test_a_symptom_only_bug_is_reported_under_the_rule_at_fault():
 
 
 INTERACTION_MUTANTS = ["shared_prefix_freed_on_preempt", "victim_tokens_not_returned", "abort_preempted_left_queued",
-                       "abort_swapped_leaks_cpu", "chunk_after_hit_off_by_one", "retraction_drops_prefix"]
+                       "abort_swapped_leaks_cpu", "chunk_after_hit_off_by_one", "retraction_drops_prefix",
+                       "reinsertion_reversed"]
 
 
 def test_every_interaction_mutant_lives_in_a_curated_interaction():
@@ -217,3 +218,121 @@ def test_a_token_count_that_differs_is_named_by_the_token_rule_or_the_hit():
     assert first_divergence(spec, hit, "memory").rule == "CACHE.HIT"
     other = [StepRecord(2, scheduled=[("B", 8)], new=["B"], cache_hits={"B": 4}, **mem)]
     assert first_divergence(spec, other, "memory").rule == "ADMIT.NEW", "who runs, not how much: the request's own rule"
+
+
+# -- the blame walks to the event behind a block's references, a release's order, the cap (issue 18 item 3) --
+
+
+def _exact(step, **kw):
+    base = dict(num_free_blocks=4, blocks={}, cache_hits={}, num_evicted=0, block_ids={}, evicted=[])
+    return StepRecord(step, **{**base, **kw})
+
+
+def test_a_reference_count_names_the_event_of_the_step_on_that_block():
+    """Shared block 1 (A and B) loses one reference too many when A is preempted: the counts differ
+    at the preemption, named by it, not at the later release that frees the block.  A reference no
+    event explains (the engine holds block 9, which nobody holds) names CACHE.TOUCH."""
+    from fuzz.diff import first_divergence
+
+    before = _exact(0, scheduled=[("A", 4), ("B", 4)], new=["A", "B"], block_ids={"A": [1, 2], "B": [1, 3]},
+                    blocks={"A": 2, "B": 2}, ref_counts={"1": 2, "2": 1, "3": 1})
+    spec = [before, _exact(1, scheduled=[("B", 1)], preempted=["A"], block_ids={"B": [1, 3]}, blocks={"B": 2},
+                           ref_counts={"1": 1, "3": 1}, reasons=[reason("PREEMPT.VICTIM_NEWEST", "A")])]
+    dropped = [before, _exact(1, scheduled=[("B", 1)], preempted=["A"], block_ids={"B": [1, 3]}, blocks={"B": 2},
+                              ref_counts={"3": 1})]
+    div = first_divergence(spec, dropped, "exact")
+    assert (div.step, div.field, div.rule, div.request) == (1, "ref_counts", "PREEMPT.RECOMPUTE", "A"), div.describe()
+    leaked = [before, _exact(1, scheduled=[("B", 1)], preempted=["A"], block_ids={"B": [1, 3]}, blocks={"B": 2},
+                             ref_counts={"1": 1, "3": 1, "9": 1})]
+    assert first_divergence(spec, leaked, "exact").rule == "CACHE.TOUCH"
+    # the same, seen one step at a time (a lock-step replay): the spec's history comes separately
+    assert first_divergence(spec[1:], dropped[1:], "exact", history=spec[:1]).rule == "PREEMPT.RECOMPUTE"
+
+
+def test_a_free_count_with_references_that_differ_names_the_block_event():
+    """When the free count differs and the logs carry reference counts, the blame is the block's:
+    a finished request released blocks 1 and 2, the engine still holds a reference on 2 while 1 went
+    back, so its release worked; the extra reference came from a prefix hit's touch."""
+    from fuzz.diff import first_divergence
+
+    before = _exact(0, scheduled=[("A", 8)], new=["A"], block_ids={"A": [1, 2]}, blocks={"A": 2}, ref_counts={"1": 1, "2": 1})
+    spec = [before, _exact(1, scheduled=[("A", 1)], finished=[("A", "max_tokens")], num_free_blocks=6, ref_counts={})]
+    eng = [before, _exact(1, scheduled=[("A", 1)], finished=[("A", "max_tokens")], num_free_blocks=5, ref_counts={"2": 1})]
+    div = first_divergence(spec, eng, "exact")
+    assert (div.field, div.rule) == ("num_free_blocks", "CACHE.TOUCH"), div.describe()
+    both = [before, _exact(1, scheduled=[("A", 1)], finished=[("A", "max_tokens")], num_free_blocks=4,
+                           ref_counts={"1": 1, "2": 1})]
+    assert first_divergence(spec, both, "exact").rule == "KV.FREE_ORDER", "nothing of A's went back: its release"
+
+
+def test_blocks_of_one_release_in_another_order_name_the_release_order():
+    """A returns blocks 1, 2, 3; B is then given them.  In another order (2 before 3): KV.FREE_REVERSED,
+    the order a request returns its blocks.  Blocks from elsewhere (7, never released): KV.FREE_ORDER."""
+    from fuzz.diff import first_divergence
+
+    before = _exact(0, scheduled=[("A", 12)], new=["A"], block_ids={"A": [1, 2, 3]}, blocks={"A": 3})
+    done = _exact(1, scheduled=[("A", 1)], finished=[("A", "eos")])
+    spec = [before, done, _exact(2, scheduled=[("B", 8)], new=["B"], block_ids={"B": [3, 2]}, blocks={"B": 2})]
+    reversed_ = [before, done, _exact(2, scheduled=[("B", 8)], new=["B"], block_ids={"B": [1, 2]}, blocks={"B": 2})]
+    elsewhere = [before, done, _exact(2, scheduled=[("B", 8)], new=["B"], block_ids={"B": [7, 6]}, blocks={"B": 2})]
+    assert first_divergence(spec, reversed_, "exact").rule == "KV.FREE_REVERSED"
+    assert first_divergence(spec, elsewhere, "exact").rule == "KV.FREE_ORDER"
+
+
+def test_a_cap_that_differs_names_the_long_prefill_rule():
+    """A lone request capped at 8 tokens (the spec caps only when several are eligible): both logs
+    carry the cap the step applied, so the token count is named by BUDGET.LONG_PREFILL."""
+    from fuzz.diff import first_divergence
+
+    spec = [StepRecord(0, scheduled=[("A", 32)], new=["A"], token_cap=0, reasons=[reason("ADMIT.NEW", "A")])]
+    capped = [StepRecord(0, scheduled=[("A", 8)], new=["A"], token_cap=8)]
+    same_cap = [StepRecord(0, scheduled=[("A", 8)], new=["A"], token_cap=0)]
+    assert first_divergence(spec, capped, "decisions").rule == "BUDGET.LONG_PREFILL"
+    assert first_divergence(spec, same_cap, "decisions").rule == "BUDGET.TOKENS"
+
+
+def test_a_victims_computed_tokens_name_its_preemption_or_its_end():
+    """computed covers preempted requests: a victim that keeps its tokens differs at the step that
+    preempted it (PREEMPT.RECOMPUTE); an aborted request the engine still counts names ABORT.FREE."""
+    from fuzz.diff import first_divergence
+
+    spec = [StepRecord(5, preempted=["A"], scheduled=[("B", 1)], computed={"A": 0, "B": 9},
+                       reasons=[reason("PREEMPT.VICTIM_NEWEST", "A")])]
+    kept = [StepRecord(5, preempted=["A"], scheduled=[("B", 1)], computed={"A": 12, "B": 9})]
+    div = first_divergence(spec, kept, "decisions")
+    assert (div.field, div.request, div.rule) == ("computed", "A", "PREEMPT.RECOMPUTE"), div.describe()
+    spec = [StepRecord(6, aborted=["A"], scheduled=[("B", 1)], computed={"B": 10}, reasons=[reason("ABORT.FREE", "A")])]
+    queued = [StepRecord(6, aborted=["A"], scheduled=[("B", 1)], computed={"A": 0, "B": 10})]
+    assert first_divergence(spec, queued, "decisions").rule == "ABORT.FREE"
+
+
+def test_several_victims_resumed_is_met_by_its_shape_and_catches_reversed_reinsertion():
+    """The curated interaction "several victims x resume": its predicate on hand-made facts, its
+    shape meeting it on steered traces, and reinsertion_reversed (victims of one step back in the
+    queue in reverse order) caught on one, named by the queue rule at fault."""
+    from fuzz.corpus import group_signature
+    from fuzz.generate import random_trace
+    from fuzz.replay import replay
+
+    recs = [StepRecord(0, preempted=["A", "B"], reasons=[reason("PREEMPT.VICTIM_NEWEST", "A"), reason("PREEMPT.VICTIM_NEWEST", "B")]),
+            StepRecord(1, resumed=["B"], reasons=[reason("ADMIT.RESUMED", "B")]),
+            StepRecord(2, resumed=["A"], reasons=[reason("ADMIT.RESUMED", "A")])]
+    name = "several victims x resume"
+    assert name in P.interactions_met(P.step_facts(recs))
+    assert name not in P.interactions_met(P.step_facts(recs[:2])), "only one of them resumed"
+    interaction = P.BY_NAME[name]
+    ms = _mutation_score()
+    mutant = next(m for m in ms.MUTANTS if m.name == "reinsertion_reversed")
+    met = caught = 0
+    for seed in range(8):
+        trace = random_trace(seed, interaction=name, **interaction.steer)
+        met += name in P.interactions_met(P._spec_facts(trace))
+        if caught or not replay(trace, "gpu", "exact").agreed:
+            continue
+        with ms.planted(mutant):
+            result = replay(trace, "gpu", "exact", after=None)
+        if not result.agreed:
+            caught += 1
+            assert group_signature(result)[2] in ms.AT_FAULT["reinsertion_reversed"], group_signature(result)
+    assert met >= 3, f"only {met}/8 shaped traces met it"
+    assert caught, "no shaped trace caught the reversed re-insertion"
