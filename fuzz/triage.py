@@ -363,6 +363,17 @@ DOCUMENTED: dict[tuple[str, str, Any], tuple[str, str]] = {
     ("vllm-release", "priority_self_preempt", "continue"): (
         "vLLM 0.33 keeps scheduling after a request preempts itself under priority (0.32 stops)",
         "vllm/v1/core/sched/scheduler.py (0.33.0), Scheduler.schedule; docs/reference/vllm-v1.md"),
+    # SGLang 0.5.23, as fuzz/sglang_adapter.py runs it (page_size 1, no PD disaggregation): the
+    # campaign's findings (docs/findings/README.md), checked against the wheel's source
+    ("sglang", "free_block_order", "tail"): (
+        "SGLang's token allocator (page_size 1) hands out its free list from the front and appends freed "
+        "slots at its tail (with PD disaggregation it sorts them first; the paged allocator, page_size > 1, "
+        "puts freed pages at the head: paged.py l. 375-380)",
+        "sglang/srt/mem_cache/allocator/token.py:54-73 (0.5.23), TokenToKVPoolAllocator.alloc / free"),
+    ("sglang", "no_chunking_cap", "exclusive"): (
+        "without chunked prefill SGLang refuses a request after the batch's first whose input tokens reach "
+        "the input budget left (input_tokens >= rem_input_tokens): a request that would exactly fill it waits",
+        "sglang/srt/managers/schedule_policy.py:1627-1633 (0.5.23), PrefillAdder.add_one_req"),
 }
 
 
@@ -555,8 +566,12 @@ def classify(result, engine: str) -> dict[str, Any]:
         first = broken[0]
         return {**out, "class": ENGINE_BUG, "invariants": ids,
                 "why": f"the engine's own log breaks {', '.join(ids)} (first at step {first.step}: {first.evidence})"}
-    return {**out, "why": out["why"] + "a decision divergence on a self-consistent engine log that no single knob "
-                                       "value explains: a person decides (spec-wrong or engine-bug)"}
+    # the report's "depends on the knob K" says the divergence needs the trace's own value of K (with the
+    # profile's value spec and engine agree on the trace); that is no verdict on which side is right
+    return {**out, "why": out["why"] + "a decision divergence on a self-consistent engine log that the spec does not "
+                                       "reproduce with any one knob value changed (a knob the report says the "
+                                       "divergence depends on only shows where it appears): a person decides "
+                                       "(spec-wrong or engine-bug)"}
 
 
 TRIAGE_BEGIN, TRIAGE_END = "<!-- batchspec: triage -->", "<!-- /batchspec: triage -->"
