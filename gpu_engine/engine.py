@@ -69,6 +69,8 @@ SUPPORTED: dict[str, frozenset | None] = {
     "ignore_eos_scope": frozenset({"eos", "eos-and-stop-tokens"}),
     "abort_running": frozenset({"at-once", "after-next-sample"}),
     "admission_hold": frozenset({"off", "until-departure"}),
+    "ignore_eos_admission": frozenset({"estimate", "reserve"}),
+    "no_chunking_cap": frozenset({"inclusive", "exclusive"}),
     "preemption_mode": frozenset({"recompute", "swap"}),
     "priority_self_preempt": frozenset({"stop", "continue"}),
     "async_scheduling": frozenset({False, True}),  # True: scheduler-only mode (no model)

@@ -93,6 +93,16 @@ SLO_INFEASIBLE = "slo_infeasible"  # the rejection reason of a request SLO admis
 
 
 @dataclass
+class _ReserveRound:
+    """One admission round's ESTIMATE.IGNORE_EOS_RESERVE state: free tokens less the immediate
+    charges so far, the slots continued or admitted in it (in order), the sorted simulation."""
+
+    free: int
+    fresh: list
+    states: list | None = None
+
+
+@dataclass
 class Batch:
     """What one ``schedule()`` decided (arrays in batch order) and its bookkeeping lists."""
 
@@ -183,6 +193,10 @@ class Scheduler:
         self.slo = self.edf or self.slack_victim
         self.tc = TenantCounters(c) if c.policy == "vtc" else None  # VTC counters (host side)
         self.estimate = c.admission == "estimate"  # SGLang: new_token_ratio admission + retraction
+        # SGLang's add_one_req_ignore_eos (ESTIMATE.IGNORE_EOS_RESERVE): ignore_eos candidates, cache off
+        self.eos_reserve = self.estimate and c.ignore_eos_admission == "reserve" and not c.enable_prefix_caching
+        # SGLang's input cap without chunking (ADMIT.NO_CHUNKING_EXCLUSIVE): behind the first, tokens < budget left
+        self.cap_exclusive = not c.enable_chunked_prefill and c.no_chunking_cap == "exclusive"
         self.ratio = c.new_token_ratio_init
         self.swap = c.preemption_mode == "swap"
         self.cpu_free = c.num_cpu_blocks  # CPU swap pool: only a count (no block ids are logged)
@@ -803,7 +817,10 @@ class Scheduler:
             return False
         left = budget - (xp.total(n[:e]) if e else 0)
         r = int(rest[e])
-        if left <= 0 or (not self.config.enable_chunked_prefill and (min(r, cap) if cap > 0 else r) > left):
+        if left <= 0:
+            return False
+        # (ADMIT.NO_CHUNKING runs before the estimate; ADMIT.NO_CHUNKING_EXCLUSIVE after it)
+        if not self.config.enable_chunked_prefill and not self.cap_exclusive and (min(r, cap) if cap > 0 else r) > left:
             return False
         return not (self.first_continues and scheduled + e > 0 and r > left)
 
@@ -1184,6 +1201,8 @@ class Scheduler:
         rem = None
         if self.estimate:  # SGLang's rem_total_tokens, fixed as the admission round begins
             rem = self._estimate_rem(continued)
+        if self.eos_reserve:  # the round's reserve simulation (built at its first ignore_eos candidate)
+            self._round = _ReserveRound(self._free_now(continued), xp.to_list(continued[0]))
         # speculative decoding: one candidate per round (a padded admission pops more blocks than
         # the window's conflict test assumes)
         window = 1 if self.num_spec else 8
@@ -1215,11 +1234,15 @@ class Scheduler:
                 if batch.estimate_rem is None:
                     batch.estimate_rem = rem
                 ok, before = self._estimate_ok(ntok - nhit * self.bs, cand, rem, evictable * self.bs)
+                if self.eos_reserve:
+                    ok = self._reserve_window(ok, before, cand, ntok - nhit * self.bs)
                 e = xp.first_true(~ok)
                 count = min(count, e)
                 rem = float(before[count])
             if self.first_continues:
                 count = min(count, self._first_cut_only(ntok - nhit * self.bs, budget, cap, scheduled))
+            if self.cap_exclusive:
+                count = min(count, self._leaves_budget(ntok - nhit * self.bs, budget, cap, scheduled))
             # ESTIMATE.HOLD_UNTIL_DEPARTURE: the estimate refused the head, with a batch running since the step began
             hold = (self.plan_hold and rem is not None and count == e and self._pre_batch > len(continued[0])
                     and self._estimate_refused(e, cand, ntok - nhit * self.bs, n, budget, cap, scheduled))
@@ -1227,6 +1250,8 @@ class Scheduler:
                 self._admit(batch, cand[:count], ntok[:count], n[:count], need[:count], hits, nhit[:count], evictable[:count])
                 out_slots.append(cand[:count])
                 out_n.append(n[:count])
+                if self.eos_reserve:
+                    self._round.fresh += xp.to_list(cand[:count])
                 budget -= xp.total(n[:count])
                 scheduled += count
             if hold:
@@ -1234,6 +1259,70 @@ class Scheduler:
             if count < len(cand) or count == 0:
                 break
         return self.be.cat(out_slots), self.be.cat(out_n), budget
+
+    def _leaves_budget(self, rest: Array, budget: int, cap: int, scheduled: int) -> int:
+        """ADMIT.NO_CHUNKING_EXCLUSIVE: the window's candidates before the first one that is not the
+        batch's first (``scheduled + j > 0``) and whose tokens ``rest_j`` are at least the budget left
+        if all before it were admitted, ``max(B - excl(capT(rest))_j, 0)``."""
+        want = xp.minimum(rest, cap) if cap > 0 else rest
+        left = xp.maximum(budget - xp.exclusive_cumsum(want), 0)
+        behind = self.be.arange(len(rest)) + scheduled > 0
+        return xp.first_true((rest > left) | (behind & (rest >= left)))
+
+    def _free_now(self, continued) -> int:
+        """Free tokens as the admission round begins (before this step's continued prefills took
+        theirs) less each continued chunk's ``ceil_B(n) + B``: SGLang's remaining_current, which
+        reserves no outputs."""
+        bs = self.bs
+        free = (self.pool.num_free + self.continued_blocks) * bs
+        return free - sum(cdiv(n, bs) * bs + bs for n in xp.to_list(continued[1]))
+
+    def _reserve_entry(self, s: int) -> tuple[float, int] | None:
+        """Slot ``s`` in the reserve simulation: ``(max_tokens x r - outputs, prompt + outputs)``,
+        r = 1 for ignore_eos else the ratio; None when nothing is left."""
+        out = int(self.num_output_tokens[s])
+        r = 1.0 if int(self.ignore_eos[s]) else self.ratio
+        left = int(self.max_tokens[s]) * r - out
+        return (left, int(self.prompt_len[s]) + out) if left > 0 else None
+
+    def _reserve_window(self, ok: np.ndarray, before: np.ndarray, cand: Array, extend: Array) -> np.ndarray:
+        """ESTIMATE.IGNORE_EOS_RESERVE over a window, in queue order up to its first refusal: each
+        ignore_eos candidate's ``ok`` is replaced by SGLang's test (its paged tokens within
+        ``min(free now, rem)``, then, unless it would run alone, the simulation of every request's
+        remaining output, shortest first, keeping one token per request still growing); each
+        candidate passed charges the round's free tokens its ``ceil_B(extend) + B``."""
+        rnd, bs = self._round, self.bs
+        ok = ok.copy()
+        slots, ext = xp.to_list(cand), xp.to_list(extend)
+        for j, (s, x) in enumerate(zip(slots, ext)):
+            paged = cdiv(x, bs) * bs + bs
+            if int(self.ignore_eos[s]):
+                ok[j] = self._reserve_ok(rnd, s, paged, float(before[j]), not len(self.running) and not j, slots[:j])
+            if not ok[j]:
+                break
+            rnd.free -= paged
+        return ok
+
+    def _reserve_ok(self, rnd: "_ReserveRound", s: int, paged: int, rem: float, alone: bool, earlier: list) -> bool:
+        if paged > min(rnd.free, rem):
+            return False
+        entry = self._reserve_entry(s)
+        if rnd.states is None:  # the candidate, the running batch, then this round's chunks and admissions
+            fresh = rnd.fresh + earlier
+            base = [t for t in xp.to_list(self.running) if t not in fresh]
+            rnd.states = sorted((e for e in [entry] + [self._reserve_entry(t) for t in base + fresh] if e),
+                                key=lambda e: e[0])
+        elif entry is not None:  # SGLang's insertion: before the first entry not shorter, else before the last
+            at = next((i for i, e in enumerate(rnd.states) if entry[0] <= e[0]), max(len(rnd.states) - 1, 0))
+            rnd.states.insert(at, entry)
+        if alone:
+            return True
+        free, gone, n = rnd.free - paged, 0, len(rnd.states)
+        for i, (left, held) in enumerate(rnd.states):
+            if free + gone - left * (n - i) <= (n - i):  # SGLang's IGNORE_EOS_RESERVE_TOKENS = 1 per request
+                return False
+            gone += held
+        return True
 
     def _draft_padding(self, ntok: Array, nhit: Array) -> Array | None:
         """Speculative decoding: each candidate's dummy drafts (:func:`formulas.draft_padding`)."""

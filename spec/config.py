@@ -152,6 +152,18 @@ class SchedulerConfig:
     #: tested until a request of the batch leaves it (finishes, is aborted or retracted), the
     #: engine runs empty, or a cut prefill continues (SGLang's running_batch.batch_is_full).
     admission_hold: str = "off"
+    #: How admission="estimate" tests a waiting request that ignores EOS when the prefix cache is
+    #: off (rule ESTIMATE.IGNORE_EOS_RESERVE): "estimate" — ESTIMATE.ADMIT, as every request;
+    #: "reserve" — SGLang's add_one_req_ignore_eos: its paged prompt must fit the memory left, and
+    #: the requests' whole remaining outputs, simulated shortest first, must each leave more than
+    #: one token per request still growing (except a request that would run alone: SGLang refuses
+    #: it forever, a finding the spec does not copy).
+    ignore_eos_admission: str = "estimate"
+    #: With chunked prefill off, how a request after the step's first must fit the token budget
+    #: left (rules ADMIT.NO_CHUNKING, ADMIT.NO_CHUNKING_EXCLUSIVE): "inclusive" — its tokens <=
+    #: the budget left (vLLM); "exclusive" — its tokens < the budget left, tested after the memory
+    #: estimate (SGLang's input_tokens >= rem_input_tokens refusal).
+    no_chunking_cap: str = "inclusive"
     #: SGLang's initial new_token_ratio (SGLANG_INIT_NEW_TOKEN_RATIO 0.7 x
     #: schedule_conservativeness 1.0), restored whenever the engine becomes empty.
     new_token_ratio_init: float = 0.7
@@ -278,6 +290,8 @@ KNOB_CHOICES: dict[str, tuple[str, ...]] = {
     "ignore_eos_scope": ("eos", "eos-and-stop-tokens"),
     "abort_running": ("at-once", "after-next-sample"),
     "admission_hold": ("off", "until-departure"),
+    "ignore_eos_admission": ("estimate", "reserve"),
+    "no_chunking_cap": ("inclusive", "exclusive"),
     "policy": ("fcfs", "priority", "spf", "vtc", "edf", "sprpt"),
     "preemption_victim": ("policy", "slo-slack"),
     "slo_admission": ("off", "refuse", "defer"),
@@ -372,9 +386,7 @@ def step_plan(cfg: "SchedulerConfig") -> StepPlan:
         preempt="SWAP.OUT" if swap else "PREEMPT.RECOMPUTE",
         requeue="RETRACT.TO_TAIL" if estimate else "QUEUE.VICTIM_TO_FRONT",
         room="BATCH.MAX_NUM_SEQS_PER_STEP" if cfg.max_num_seqs_scope == "step" else "ADMIT.MAX_NUM_SEQS",
-        admission_checks=(() if cfg.enable_chunked_prefill else ("ADMIT.NO_CHUNKING",)) +
-                         (("ADMIT.CHUNK_ONLY_FIRST",) if cfg.prefill_chunking == "first-continues" else ()) +
-                         (("ESTIMATE.ADMIT",) if estimate else ()),
+        admission_checks=admission_checks(cfg),
         reservation={"full": "ADMIT.RESERVE_FULL", "sequence": "ADMIT.RESERVE_SEQUENCE"}.get(
             cfg.kv_reservation, "ADMIT.FULL_SEQUENCE" if cfg.scheduler_reserve_full_isl else "KV.NO_FREE_BLOCKS"),
         on_schedule=("VTC.CHARGE",) if cfg.policy == "vtc" else (),
@@ -387,6 +399,22 @@ def step_plan(cfg: "SchedulerConfig") -> StepPlan:
                    (("STOP.IGNORE_EOS_SCOPE",) if cfg.ignore_eos_scope == "eos-and-stop-tokens" else ()),
         abort_running="ABORT.AFTER_NEXT_SAMPLE" if cfg.abort_running == "after-next-sample" else "ABORT.FREE",
     )
+
+
+def admission_checks(cfg: "SchedulerConfig") -> tuple[str, ...]:
+    """The tests a waiting request must pass besides room and blocks, in the order they run.
+    SGLang (no_chunking_cap="exclusive") tests memory before the input budget, so that a
+    request both refuse is refused by the estimate (which holds admission, #16)."""
+    memory = ()
+    if cfg.admission == "estimate":
+        reserve = cfg.ignore_eos_admission == "reserve" and not cfg.enable_prefix_caching
+        memory = ("ESTIMATE.IGNORE_EOS_RESERVE" if reserve else "ESTIMATE.ADMIT",)
+    first = ("ADMIT.CHUNK_ONLY_FIRST",) if cfg.prefill_chunking == "first-continues" else ()
+    if cfg.enable_chunked_prefill:
+        return first + memory
+    if cfg.no_chunking_cap == "exclusive":
+        return first + memory + ("ADMIT.NO_CHUNKING_EXCLUSIVE",)
+    return ("ADMIT.NO_CHUNKING",) + first + memory
 
 
 def speculative_rules(cfg: "SchedulerConfig") -> tuple[str, ...]:
@@ -530,6 +558,7 @@ SGLANG = _derived(
     block_size=1, num_blocks=16384, scheduler_reserve_full_isl=False, max_num_seqs=1024,
     length_limits="clip", ignore_eos_scope="eos-and-stop-tokens", cache_register="computed",
     prefill_chunking="last-continues", abort_running="after-next-sample", admission_hold="until-departure",
+    ignore_eos_admission="reserve", no_chunking_cap="exclusive",
 )
 VTC = _derived(
     "vtc", "1", "Virtual Token Counter fair scheduling (Sheng et al., OSDI'24): the backlogged tenant with the smallest "
@@ -745,6 +774,9 @@ def validate(cfg: SchedulerConfig) -> SchedulerConfig:
         raise ConfigError("prefill_chunking", f"{cfg.prefill_chunking} needs batching=prefill-first")
     if cfg.admission_hold != "off" and cfg.admission != "estimate":
         raise ConfigError("admission_hold", f"{cfg.admission_hold} holds after ESTIMATE.ADMIT refuses; it needs admission=estimate")
+    if cfg.ignore_eos_admission != "estimate" and cfg.admission != "estimate":
+        raise ConfigError("ignore_eos_admission", f"{cfg.ignore_eos_admission} replaces ESTIMATE.ADMIT for ignore_eos "
+                                                  "requests; it needs admission=estimate")
     if cfg.length_limits == "clip" and not cfg.reject_unservable:
         # the clip assumes the prompt passed the input limit (a longer one would get no output at all)
         raise ConfigError("length_limits", "clip needs reject_unservable=true (its input limit)")

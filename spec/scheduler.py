@@ -196,6 +196,8 @@ class StepState:
     step_ends: bool = False  # a phase ended the step (prefill-first)
     rem: float | None = None  # admission="estimate": SGLang's rem_total_tokens for this round
     continued: dict[str, int] = field(default_factory=dict)  # continued prefill -> blocks it took (RUN.CONTINUE_*)
+    cur_rem: int | None = None  # ESTIMATE.IGNORE_EOS_RESERVE: free tokens less this round's immediate charges
+    eos_states: list | None = None  # ESTIMATE.IGNORE_EOS_RESERVE: (tokens left, tokens held), built once a round
 
 
 # --------------------------------------------------------------------------
@@ -454,6 +456,72 @@ def estimate_admits(need: int, rem: float) -> bool:
     fails stops admission (head-of-line).
     """
     return need < rem
+
+
+#: SGLang's IGNORE_EOS_RESERVE_TOKENS: the tokens ESTIMATE.IGNORE_EOS_RESERVE keeps free per
+#: request still growing at every point of its simulation.
+IGNORE_EOS_RESERVE_TOKENS = 1
+
+
+def eos_reserve_state(req: Request, ratio: float) -> tuple[float, int] | None:
+    """One request's entry in ESTIMATE.IGNORE_EOS_RESERVE's simulation: ``(tokens left, tokens
+    held)`` = ``(max_tokens x r - outputs, prompt + outputs)`` with r = 1 for a request that
+    ignores EOS, else new_token_ratio (max_tokens as cut at arrival, not clipped); None when
+    nothing is left (SGLang's add_req_state skips it)."""
+    left = req.max_tokens * (1.0 if req.source.ignore_eos else ratio) - len(req.output_token_ids)
+    return (left, len(req.prompt_token_ids) + len(req.output_token_ids)) if left > 0 else None
+
+
+def insert_eos_state(states: list, state: tuple[float, int] | None) -> None:
+    """Insert a later candidate's entry into the round's sorted simulation as SGLang does: before
+    the first entry with at least as many tokens left — or, when there is none, before the *last*
+    entry (SGLang's insertion loop leaves its index at the last position)."""
+    if state is None:
+        return
+    i = 0
+    for i in range(len(states)):
+        if state[0] <= states[i][0]:
+            break
+    states.insert(i, state)
+
+
+@rule("ESTIMATE.IGNORE_EOS_RESERVE", knobs=("ignore_eos_admission", "admission", "enable_prefix_caching"),
+      applies=lambda ok: not ok)
+def ignore_eos_reserve_admits(paged: int, cur_rem: int, rem: float, states: list, alone: bool) -> bool:
+    """Under ignore_eos_admission="reserve", with the prefix cache off, a waiting request that
+    ignores EOS is admitted by this test instead of ESTIMATE.ADMIT (SGLang's
+    add_one_req_ignore_eos, schedule_policy.py 1241-1304 in 0.5.23):
+
+    * ``paged = ceil_B(extend) + block_size`` must fit both what the round has left,
+      ``paged <= min(cur_rem, rem)``, where ``rem`` is ESTIMATE.ADMIT's and ``cur_rem`` the free
+      tokens less only the immediate part (``ceil_B(extend) + block_size``) of every chunk
+      continued or admitted in this round (no output reserved);
+    * then SGLang simulates the requests' growth: ``states`` — the candidate, the running
+      requests and those continued or admitted in this round (each ``(max_tokens x r -
+      outputs, prompt + outputs)``, r = 1 when it ignores EOS, else new_token_ratio), sorted
+      by tokens left when the round's first such candidate is tested, later candidates
+      inserted (:func:`insert_eos_state`).  Going through them shortest first, with k = the
+      requests not yet finished, ``cur_rem - paged + freed - left_i x k`` must stay above
+      ``IGNORE_EOS_RESERVE_TOKENS x k``, ``freed`` summing the tokens the finished ones held.
+
+    Why: an ignore_eos request will produce every one of its max_tokens, so SGLang checks that
+    the batch can grow to the end with each request finishing in turn, plus a token of slack
+    per request for corner cases.  The refusal holds admission like ESTIMATE.ADMIT's.
+    **Not copied**: a request that would run ``alone`` (nothing running, nothing continued or
+    admitted in this round) skips the simulation.  SGLang clips max_tokens at arrival so that
+    such a request leaves exactly the reserve, and its ``<=`` then refuses it in every step
+    while nothing runs: it waits forever (docs/findings/sglang-ignore-eos-no-cache-stall.md)."""
+    if paged > min(cur_rem, rem):
+        return False
+    if alone:
+        return True
+    left, freed, n = cur_rem - paged, 0, len(states)
+    for i, (tokens_left, held) in enumerate(states):
+        k = n - i
+        if left + freed - tokens_left * k <= IGNORE_EOS_RESERVE_TOKENS * k:
+            return False
+        freed += held
+    return True
 
 
 @rule("ESTIMATE.RATIO", knobs=("new_token_ratio_init", "new_token_ratio_min_factor", "new_token_ratio_decay_steps",
@@ -725,6 +793,18 @@ ADMIT_NO_CHUNKING = declare(
     __name__,
     knobs=("enable_chunked_prefill",),
 )
+ADMIT_NO_CHUNKING_EXCLUSIVE = declare(
+    "ADMIT.NO_CHUNKING_EXCLUSIVE",
+    """Under no_chunking_cap="exclusive", with chunked prefill off, a waiting request that is
+    not the first of the step's batch must leave part of the token budget: it stops admission
+    (head-of-line) when its tokens (after its prefix hit) are at least the budget left, and it
+    is tested after the memory estimate (SGLang's _select_prefill_admission refuses
+    ``input_tokens >= rem_input_tokens`` once the batch holds a request, after
+    _check_prefill_budget; so a request both refuse holds admission, ESTIMATE.HOLD_UNTIL_DEPARTURE).
+    The first request needs only to fit the budget.""",
+    __name__,
+    knobs=("enable_chunked_prefill", "no_chunking_cap"),
+)
 ADMIT_CHUNK_ONLY_FIRST = declare(
     "ADMIT.CHUNK_ONLY_FIRST",
     """Under prefill_chunking="first-continues", only the first request of a step's prefill
@@ -866,7 +946,10 @@ class SpecEngine:
         by_phase = {getattr(m, "phase_name", None): name for name, m in vars(SpecEngine).items()}
         self.phases = [getattr(self, by_phase[p]) for p in plan.phases]
         checks = {"ADMIT.NO_CHUNKING": self._check_no_chunking, "ADMIT.CHUNK_ONLY_FIRST": self._check_chunk_only_first,
-                  "ESTIMATE.ADMIT": self._check_estimate}
+                  "ESTIMATE.ADMIT": self._check_estimate, "ESTIMATE.IGNORE_EOS_RESERVE": self._check_estimate,
+                  "ADMIT.NO_CHUNKING_EXCLUSIVE": self._check_no_chunking_exclusive}
+        #: ESTIMATE.IGNORE_EOS_RESERVE tests the ignore_eos candidates in place of ESTIMATE.ADMIT
+        self.eos_reserve = "ESTIMATE.IGNORE_EOS_RESERVE" in plan.admission_checks
         self.admission_checks = [checks[c] for c in plan.admission_checks]
         self.seqs_full = self._step_full if plan.room == "BATCH.MAX_NUM_SEQS_PER_STEP" else self._running_full
         self.allocate_admission = {"ADMIT.RESERVE_FULL": self._allocate_reserved,
@@ -1455,6 +1538,14 @@ class SpecEngine:
             return False
         return True
 
+    def _check_no_chunking_exclusive(self, st: StepState, req: Request, remaining: int, budget: int) -> bool:
+        """ADMIT.NO_CHUNKING_EXCLUSIVE: behind the batch's first request, tokens < the budget left."""
+        if remaining > budget or (st.scheduled and remaining >= budget):
+            st.out.reasons.append(reason(ADMIT_NO_CHUNKING_EXCLUSIVE, req.request_id,
+                                         f"needs {remaining} tokens at once, budget {budget} left"))
+            return False
+        return True
+
     def _check_chunk_only_first(self, st: StepState, req: Request, remaining: int, budget: int) -> bool:
         """ADMIT.CHUNK_ONLY_FIRST: a request after the first of the batch must fit the budget whole."""
         if st.scheduled and remaining > budget:
@@ -1470,18 +1561,50 @@ class SpecEngine:
         if st.rem is None:
             st.rem = self._estimate_rem(st)
             st.out.estimate_rem = st.rem
+            st.cur_rem = self._estimate_cur_rem(st)
         locked = own_hit_locked(self.kv.get_computed_blocks(req)[0], bs)  # ESTIMATE.OWN_HIT_LOCKED
-        need = remaining + remaining_output(req, cfg) + bs + locked
-        if not estimate_admits(need, st.rem):
+        paged = cdiv(remaining, bs) * bs + bs + locked  # the admission's immediate charge
+        if self.eos_reserve and req.source.ignore_eos:
+            ok, rule_id = self._ignore_eos_reserve(st, req, paged), "ESTIMATE.IGNORE_EOS_RESERVE"
+            why = f"{paged} tokens now, {st.cur_rem} free this round; its batch's outputs leave no reserve"
+        else:
+            need = remaining + remaining_output(req, cfg) + bs + locked
+            ok, rule_id = estimate_admits(need, st.rem), "ESTIMATE.ADMIT"
+            why = f"needs {need} tokens, {st.rem:.3f} estimated free"
+        if not ok:
             fresh = set(st.continued) | set(st.out.new) | set(st.out.resumed)  # not in SGLang's running batch yet
             if self.plan_hold and any(rid not in fresh for rid in st.start):  # ESTIMATE.HOLD_UNTIL_DEPARTURE
                 self.hold = frozenset(r.request_id for r in self.running)
-            st.out.reasons.append(reason("ESTIMATE.ADMIT", req.request_id,
-                                         f"needs {need} tokens, {st.rem:.3f} estimated free "
-                                         f"(new_token_ratio {self.new_token_ratio:.6f})"))
+            st.out.reasons.append(reason(rule_id, req.request_id,
+                                         f"{why} (new_token_ratio {self.new_token_ratio:.6f})"))
             return False
-        st.rem -= cdiv(remaining, bs) * bs + remaining_output(req, cfg) + bs + locked
+        st.rem -= paged + remaining_output(req, cfg)
+        st.cur_rem -= paged
         return True
+
+    def _estimate_cur_rem(self, st: StepState) -> int:
+        """ESTIMATE.IGNORE_EOS_RESERVE's ``cur_rem`` as the admission round begins: free tokens (as
+        before this step's continued chunks took theirs) less each continued chunk's
+        ``ceil_B(n) + block_size`` — no outputs reserved (SGLang's remaining_current)."""
+        bs = self.config.block_size
+        free = (self.kv.pool.num_free_blocks + sum(st.continued.values())) * bs
+        return free - sum(cdiv(st.scheduled[rid], bs) * bs + bs for rid in st.continued)
+
+    def _ignore_eos_reserve(self, st: StepState, req: Request, paged: int) -> bool:
+        """ESTIMATE.IGNORE_EOS_RESERVE for ``req``: the round's simulation, built at its first
+        ignore_eos candidate (the candidate, the running requests, then the chunks continued and
+        the requests admitted in this round, sorted by tokens left), later candidates inserted."""
+        ratio = self.new_token_ratio
+        state = eos_reserve_state(req, ratio)
+        if st.eos_states is None:
+            fresh = list(st.continued) + st.out.new + st.out.resumed  # SGLang's can_run_list
+            running = [r for r in self.running if r.request_id not in fresh]
+            others = running + [self.requests[rid] for rid in fresh]
+            st.eos_states = [x for x in [state] + [eos_reserve_state(r, ratio) for r in others] if x is not None]
+            st.eos_states.sort(key=lambda x: x[0])
+        else:
+            insert_eos_state(st.eos_states, state)
+        return ignore_eos_reserve_admits(paged, st.cur_rem, st.rem, st.eos_states, not self.running)
 
     def _estimate_rem(self, st: StepState) -> float:
         """ESTIMATE.ADMIT's ``rem`` as the admission round begins: free + evictable tokens (as

@@ -130,6 +130,8 @@ def test_mixed_knobs_agree():
             knobs["prefill_chunking"] = "last-continues"
         if knobs["admission"] == "estimate":
             knobs["admission_hold"] = sgl.choice(("off", "until-departure"))
+            knobs["ignore_eos_admission"] = sgl.choice(("estimate", "reserve"))
+        knobs["no_chunking_cap"] = sgl.choice(("inclusive", "exclusive"))
         trace = random_trace(seed, max_steps=MAX_STEPS, **knobs)
         result = replay(trace, "gpu", "exact")
         assert result.agreed, f"seed {seed} {knobs}: {result.divergence.describe()}"

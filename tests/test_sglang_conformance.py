@@ -37,6 +37,8 @@ AGREE_TRACES = {
     "ignore-eos-stop-token": "exact",  # 3: STOP.IGNORE_EOS_SCOPE
     "same-step-prefix": "decisions",  # 5: cache_register=computed (memory level: 13)
     "abort-running": "exact",  # 11: ABORT.AFTER_NEXT_SAMPLE
+    "ignore-eos-reserve": "decisions",  # 15: ESTIMATE.IGNORE_EOS_RESERVE (exact level: free-slot order)
+    "no-chunking-input-cap": "exact",  # 16: ADMIT.NO_CHUNKING_EXCLUSIVE (the SGLang campaign's spec-wrong finding)
 }
 
 

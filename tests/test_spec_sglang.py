@@ -12,6 +12,7 @@ import pytest
 
 from scenario_helpers import R, rules_for, scheduled, steps
 from spec.config import ConfigError, resolve
+from spec.scheduler import ignore_eos_reserve_admits, insert_eos_state
 
 #: token-granular pool of 1,000 slots (slot 0 is the padding slot), SGLang's page size 1
 SG = {"profile": "sglang", "block_size": 1, "num_blocks": 1001, "max_num_batched_tokens": 64, "max_model_len": 32,
@@ -117,3 +118,91 @@ def test_admission_hold_waits_for_a_departure_not_for_the_ratio():
 def test_admission_hold_is_an_estimate_rule():
     with pytest.raises(ConfigError, match="admission_hold"):
         resolve({"profile": "vllm-v1", "admission_hold": "until-departure"})
+
+
+#: 100 usable slots, no radix cache: SGLang tests an ignore_eos request by add_one_req_ignore_eos
+NO_CACHE = {**SG, "num_blocks": 101, "max_model_len": 128, "enable_prefix_caching": False}
+
+
+def test_ignore_eos_reserve_refuses_what_the_estimate_admits():
+    """A (10 tokens, 40 outputs) runs from step 0 and holds 10 slots: 90 free at step 1, A has
+    sampled once.  B (35 tokens, 26 outputs, ignore_eos) arrives at step 1.  ESTIMATE.ADMIT:
+    35 + 26 + 1 = 62 < 90 - 0.7 x 39 = 62.7, admitted.  ESTIMATE.IGNORE_EOS_RESERVE: its paged
+    36 fit, then the simulation sorted by tokens left, [B (26, 35), A (0.7 x 40 - 1 = 27, 11)]:
+    with both growing, 90 - 36 - 26 x 2 = 2 <= the reserve of 1 x 2: refused (and held)."""
+    reqs = (R("A", 10, 40, output_tokens=(100,) * 40), R("B", 35, 26, at=1, ignore_eos=True))
+    recs = steps(NO_CACHE, *reqs)
+    assert recs[0].new == ["A"] and recs[1].new == []
+    assert "ESTIMATE.IGNORE_EOS_RESERVE" in rules_for(recs[1], "B") and "ESTIMATE.ADMIT" not in rules_for(recs[1], "B")
+    assert "ESTIMATE.HOLD_UNTIL_DEPARTURE" in rules_for(recs[2], "B")
+    assert steps({**NO_CACHE, "ignore_eos_admission": "estimate"}, *reqs)[1].new == ["B"]
+    # with the radix cache on SGLang never takes this path: ESTIMATE.ADMIT admits B
+    assert steps({**NO_CACHE, "enable_prefix_caching": True}, *reqs)[1].new == ["B"]
+    # one output fewer leaves 4 > 2 at the first point and 54 + 35 - 27 = 62 > 1 at the second: admitted
+    fewer = (reqs[0], R("B", 35, 25, at=1, ignore_eos=True))
+    assert steps(NO_CACHE, *fewer)[1].new == ["B"]
+
+
+def test_ignore_eos_reserve_is_not_applied_to_a_request_that_would_run_alone():
+    """The recorded finding (tests/corpus/sglang/findings/ignore-eos-no-cache-stall.jsonl): 83
+    slots, r0 (52 tokens, max_tokens clipped to 83 - 52 - 2 = 29) alone.  SGLang's rule refuses
+    it in every step (83 - 53 - 29 x 1 = 1 <= 1) and it never runs; the spec admits it."""
+    paged, free = 53, 83
+    assert not ignore_eos_reserve_admits(paged, free, float(free), [(29.0, 52)], alone=False)
+    assert ignore_eos_reserve_admits(paged, free, float(free), [(29.0, 52)], alone=True)
+    cfg = {**SG, "enable_prefix_caching": False, "max_model_len": 128, "num_blocks": 84}
+    recs = steps(cfg, R("r0", 52, 32, ignore_eos=True))
+    assert recs[0].new == ["r0"] and _finishes(recs)["r0"] == (28, "max_model_len")
+
+
+def test_ignore_eos_reserve_inserts_later_candidates_as_sglang_does():
+    """Later candidates of a round go before the first entry with at least as many tokens left,
+    or, when every entry has fewer, before the last one (SGLang's loop index stops there)."""
+    states = [(1.0, 5), (3.0, 5)]
+    insert_eos_state(states, (2.0, 7))
+    assert states == [(1.0, 5), (2.0, 7), (3.0, 5)]
+    insert_eos_state(states, (9.0, 8))
+    assert states == [(1.0, 5), (2.0, 7), (9.0, 8), (3.0, 5)]
+    empty: list = []
+    insert_eos_state(empty, (4.0, 1))
+    insert_eos_state(empty, None)  # nothing left to produce: not simulated
+    assert empty == [(4.0, 1)]
+
+
+def test_ignore_eos_admission_is_an_estimate_rule():
+    with pytest.raises(ConfigError, match="ignore_eos_admission"):
+        resolve({"profile": "vllm-v1", "ignore_eos_admission": "reserve"})
+
+
+def test_no_chunking_cap_exclusive_needs_budget_left_behind_the_first():
+    """Chunked prefill off, budget 64: A (12) is admitted, B (52 = the 52 tokens left) is not:
+    SGLang refuses input_tokens >= rem_input_tokens behind the batch's first request; it runs in
+    the next step (the SGLang campaign's spec-wrong finding, tests/corpus/sglang/agree/)."""
+    cfg = {**SG, "enable_chunked_prefill": False, "enable_prefix_caching": False,
+           "max_model_len": 59, "max_num_batched_tokens": 64, "max_num_seqs": 2, "num_blocks": 70}
+    reqs = (R("A", 12, 1), R("B", 52, 1))
+    recs = steps(cfg, *reqs)
+    assert scheduled(recs)[0] == [("A", 12)] and scheduled(recs)[1] == [("B", 52)]
+    assert "ADMIT.NO_CHUNKING_EXCLUSIVE" in rules_for(recs[0], "B")
+    assert scheduled(steps({**cfg, "no_chunking_cap": "inclusive"}, *reqs))[0] == [("A", 12), ("B", 52)]
+    # one token fewer leaves one token of budget: both in step 0
+    assert scheduled(steps(cfg, R("A", 12, 1), R("B", 51, 1)))[0] == [("A", 12), ("B", 51)]
+
+
+def test_no_chunking_cap_exclusive_is_tested_after_the_estimate():
+    """A request that both the input cap and the estimate refuse is refused by the estimate (SGLang
+    tests memory first): with a batch running, that holds admission (ESTIMATE.HOLD_UNTIL_DEPARTURE).
+    100 slots; A (4 tokens, 50 outputs) runs from step 0.  At step 1 C (10) is admitted (rem 96 -
+    0.7 x 49 = 61.7 - 13 = 48.7 left, 54 tokens of budget); D (55 tokens) needs 58 > 48.7 and
+    55 >= 54."""
+    cfg = {**SG, "enable_chunked_prefill": False, "enable_prefix_caching": False,
+           "max_model_len": 64, "max_num_batched_tokens": 64, "num_blocks": 101}
+    reqs = (R("A", 4, 50, output_tokens=(100,) * 50), R("C", 10, 2, at=1), R("D", 55, 2, at=1))
+    recs = steps(cfg, *reqs)
+    assert recs[1].new == ["C"]
+    assert "ESTIMATE.ADMIT" in rules_for(recs[1], "D") and "ADMIT.NO_CHUNKING_EXCLUSIVE" not in rules_for(recs[1], "D")
+    assert "ESTIMATE.HOLD_UNTIL_DEPARTURE" in rules_for(recs[2], "D")
+    # vLLM's order (the cap first): the cap refuses D, which holds nothing
+    recs = steps({**cfg, "no_chunking_cap": "inclusive"}, *reqs)
+    assert "ADMIT.NO_CHUNKING" in rules_for(recs[1], "D") and "ESTIMATE.ADMIT" not in rules_for(recs[1], "D")
+    assert "ESTIMATE.HOLD_UNTIL_DEPARTURE" not in rules_for(recs[2], "D")
