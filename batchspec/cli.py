@@ -648,8 +648,10 @@ def build_parser() -> argparse.ArgumentParser:
     fz.add_argument("--engine", default="gpu", metavar="ENGINE", help=ENGINE_HELP + " (default: gpu)")
     _level_option(fz)
     fz.add_argument("--traces", type=int_option(1, MAX_TRACES), metavar="N",
-                    help="trace budget for this shard (default 200 when no --seconds)")
-    fz.add_argument("--seconds", type=float_option(0, MAX_SECONDS), metavar="S", help="time budget in seconds (> 0)")
+                    help="trace budget for this shard, in all: --resume counts the traces already run "
+                         "(default 200 when no --seconds)")
+    fz.add_argument("--seconds", type=float_option(0, MAX_SECONDS), metavar="S",
+                    help="time budget in seconds (> 0), in all: --resume counts the campaign time already spent")
     fz.add_argument("--seed", type=seed, default=0, help="campaign seed: same seed, same traces, same findings")
     fz.add_argument("--workers", type=workers, default=0, metavar="N", help="worker processes (default 0: all cores)")
     fz.add_argument("--shard", default="0/1", metavar="I/N", help="run the traces k with k %% N == I (default 0/1)")

@@ -89,6 +89,8 @@ def test_the_table_row_sums_the_state_across_resumes_and_counts_the_triage_class
     again = run_campaign(CampaignConfig(traces=32, resume=True, **cfg))
     # the state carries time and traces over --resume: the budget (--traces, --seconds) is the total
     assert again.traces == 32 and again.seconds > first.seconds and again.steps > first.steps
+    spent = run_campaign(CampaignConfig(seconds=again.seconds / 2, resume=True, **cfg))  # time already spent
+    assert (spent.traces, spent.steps) == (again.traces, again.steps)
     for name, cls in (("a", "engine-bug"), ("b", "spec-wrong"), ("c", None)):
         group = {"signature": ["decision", "x", name], "count": 1}
         if cls:
