@@ -17,6 +17,9 @@ what the campaign left there, nothing is re-run:
 * the findings' group files (``NAME.group.json``): each finding's triage class (``batchspec triage``),
   ``untriaged`` when it has none.
 
+``--rules-of SRC``: count only the rule ids the campaign's own code had (a checkout or snapshot of
+the repository the campaign ran from), when this checkout has added rules since.
+
 Only the standard library and this repository's own (stdlib-only) ``spec`` and ``fuzz.capabilities``
 are imported: the script runs in any of the engines' venvs.  Bad input: one line
 ``CORPUS: FIELD: problem`` and exit 2.
@@ -94,12 +97,29 @@ def envelope_declaration(description: str) -> dict:
     return out
 
 
-def reachable(state: dict) -> set[str]:
-    """The rule ids the state's envelope can fire (this checkout's reachability), plus those it fired."""
+def rules_of(src: str) -> set[str]:
+    """The rule ids (those that fire) of the spec in checkout ``src``, read in a separate interpreter."""
+    import subprocess
+
+    if not (Path(src) / "spec" / "rules.py").is_file():
+        raise TableInputError(f"{src}: --rules-of: not a batchspec checkout (no spec/rules.py)")
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from spec.rules import all_rules; "
+            "print(json.dumps(sorted(r.id for r in all_rules().values() if r.fires)))")
+    out = subprocess.run([sys.executable, "-c", code, str(Path(src).resolve())], capture_output=True, text=True, cwd=src)
+    if out.returncode != 0:
+        raise TableInputError(f"{src}: --rules-of: cannot read its spec's rules ({out.stderr.strip().splitlines()[-1:]})")
+    return set(json.loads(out.stdout))
+
+
+def reachable(state: dict, only: set[str] | None = None) -> set[str]:
+    """The rule ids the state's envelope can fire (this checkout's reachability; of ``only`` when
+    given), plus those it fired."""
     from fuzz.capabilities import parse, reachable_rules
     from spec.rules import all_rules
 
     fired = {r.id for r in all_rules().values() if r.fires}
+    if only is not None:
+        fired &= only
     envelope = parse(envelope_declaration(state.get("envelope") or "every profile and knob value"))
     return set(reachable_rules(envelope, fired, state.get("profile"), state.get("knobs") or {})) | set(state["covered"])
 
@@ -129,13 +149,13 @@ def findings(corpus: Path) -> dict[str, str]:
     return out
 
 
-def row(corpus: Path) -> dict:
-    """The table's figures for one corpus."""
+def row(corpus: Path, only: set[str] | None = None) -> dict:
+    """The table's figures for one corpus (rule ids of ``only``, when given, as ``--rules-of``)."""
     states = read_states(corpus)
     first = states[0]
     covered = set().union(*(s["covered"] for s in states))
     try:
-        can = set().union(*(reachable(s) for s in states))
+        can = set().union(*(reachable(s, only) for s in states))
     except ValueError as e:
         raise TableInputError(f"{corpus}: envelope: {e}") from None
     classes = findings(corpus)
@@ -181,9 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("corpora", nargs="+", metavar="CORPUS", help="a campaign's --corpus directory")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
+    ap.add_argument("--rules-of", metavar="SRC", help="count the rule ids of the spec in checkout SRC "
+                                                       "(the code the campaigns ran), not this one's")
     args = ap.parse_args(argv)
     try:
-        rows = [row(Path(c)) for c in args.corpora]
+        only = rules_of(args.rules_of) if args.rules_of else None
+        rows = [row(Path(c), only) for c in args.corpora]
         names = [r["corpus"] for r in rows]
         for r, c in zip(rows, args.corpora):  # two corpora of one name (old/MODE beside MODE): name the parent
             if names.count(r["corpus"]) > 1:

@@ -109,6 +109,23 @@ def test_the_table_row_sums_the_state_across_resumes_and_counts_the_triage_class
     assert "c: finding a: engine-bug" in table and "c: finding c: untriaged" in table
 
 
+def test_rules_of_counts_the_rule_ids_of_the_campaigns_own_code(tmp_path):
+    """--rules-of SRC: a checkout whose spec has fewer rules (here: one) is the denominator's rule set."""
+    run_campaign(CampaignConfig(seed=3, engine="spec", traces=4, workers=1, corpus=str(tmp_path / "c")))
+    src = tmp_path / "src" / "spec"
+    src.mkdir(parents=True)
+    (src / "__init__.py").write_text("")
+    (src / "rules.py").write_text("class R:\n    id, fires = 'ADMIT.NEW', True\n\ndef all_rules():\n    return {'ADMIT.NEW': R()}\n")
+    out = subprocess.run([sys.executable, str(SCRIPT), "--json", "--rules-of", str(tmp_path / "src"), str(tmp_path / "c")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    (row,) = json.loads(out.stdout)
+    assert row["rules_reachable"] == len({"ADMIT.NEW"} | set(json.loads(next((tmp_path / "c").glob(".campaign-*.json")).read_text())["covered"]))
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--rules-of", str(tmp_path), str(tmp_path / "c")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip() == f"error: {tmp_path}: --rules-of: not a batchspec checkout (no spec/rules.py)"
+
+
 def test_a_directory_without_a_campaign_state_is_one_line_and_exit_2(tmp_path):
     out = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and out.stdout == ""
