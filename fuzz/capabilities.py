@@ -592,9 +592,6 @@ RULE_NEEDS: dict[str, dict[str, Any]] = {
     "SLO.FEASIBLE": {"slo_admission": lambda v: v != "off"},
     "PREEMPT.VICTIM_SLO_SLACK": {"preemption_victim": ("slo-slack",)},
     "QUEUE.SPF": {"policy": ("spf",)}, "QUEUE.SPRPT": {"policy": ("sprpt",)},
-    "QUEUE.PRIORITY": {"policy": ("priority", "edf")},  # EDF's queue is a priority queue
-    # the hold is a phase of continuous and static batching (spec.config.step_plan), not of prefill-first
-    "ADMIT.NONE_AFTER_PREEMPT": {"admit_after_preempt": (False,), "batching": ("continuous", "static")},
     "QUEUE.AGING": {"aging_steps": _positive, "policy": ("priority", "spf", "sprpt")},
     "VTC.CHARGE": {"policy": ("vtc",)}, "VTC.LIFT": {"policy": ("vtc",)}, "VTC.PICK": {"policy": ("vtc",)},
     "VTC.QUEUE": {"policy": ("vtc",)},
@@ -620,6 +617,7 @@ RULE_NEEDS: dict[str, dict[str, Any]] = {
     "REJECT.PROMPT_TOO_LONG": {"length_limits": ("reject",)}, "REJECT.NEVER_FITS": {"length_limits": ("reject",)},
     "STOP.IGNORE_EOS_SCOPE": {"ignore_eos_scope": ("eos-and-stop-tokens",)},
     "ABORT.AFTER_NEXT_SAMPLE": {"abort_running": ("after-next-sample",)},
+    "ABORT.CUT_PREFILL_AT_ONCE": {"abort_running": ("after-next-sample",)},
     "ESTIMATE.HOLD_UNTIL_DEPARTURE": {"admission_hold": ("until-departure",)},
     "ESTIMATE.IGNORE_EOS_RESERVE": {"admission": ("estimate",), "ignore_eos_admission": ("reserve",),
                                     "enable_prefix_caching": (False,)},

@@ -492,7 +492,8 @@ class Scheduler:
         s = self.slot_of.get(request_id)
         if s is None or s in self.abort_pending:
             return False
-        if int(self.status[s]) == RUNNING and self.abort_after_sample:  # freed by update() after its next sample
+        cut = any(t == s and self.ids[t] == rid for t, rid in self.cut)  # (a cut prefill goes at once)
+        if int(self.status[s]) == RUNNING and self.abort_after_sample and not cut:  # freed after its next sample
             self.abort_pending.add(s)
             return True
         if int(self.status[s]) == RUNNING:
@@ -760,7 +761,8 @@ class Scheduler:
             if self.asynchronous:  # each sampled token is in flight until the next step applies it
                 self.placeholders[slots[samples]] += 1
         batch.slots, batch.num_scheduled, batch.start, batch.samples = slots, n, start, samples
-        if self.continues or self.plan_hold:  # continued first in the next step; a cut releases the hold
+        if self.continues or self.plan_hold or self.abort_after_sample:  # continued first in the next step; a cut
+            # releases the hold; an abort frees a cut prefill at once (ABORT.CUT_PREFILL_AT_ONCE)
             self.cut = [(s, self.ids[s]) for s in xp.to_list(slots[~samples])] if not batch.all_sample else []
         self.steady = (batch.all_sample and not batch.preempted and len(slots) == len(self.running)
                        and not self.asynchronous and not self.num_spec)  # (the steady closed form: one known token each)

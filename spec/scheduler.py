@@ -856,6 +856,17 @@ ABORT_AFTER_SAMPLE = declare(
     __name__,
     knobs=("abort_running",),
 )
+ABORT_CUT_PREFILL = declare(
+    "ABORT.CUT_PREFILL_AT_ONCE",
+    """Under abort_running="after-next-sample", an aborted running request whose prefill the last
+    step cut (it would be continued next, RUN.CONTINUE_PREFILL_FIRST) is freed at once, as a
+    waiting request is (ABORT.FREE): it computes no more chunks and samples nothing.  SGLang's
+    abort_request only marks its in-flight chunked_req, and process_pending_chunked_abort frees it
+    at the top of the next scheduling step, before the chunk would launch (scheduler.py 3778-3823
+    in 0.5.23); only a request that has sampled runs once more (ABORT.AFTER_NEXT_SAMPLE).""",
+    __name__,
+    knobs=("abort_running",),
+)
 WAIT_QUEUED = declare(
     "WAIT.QUEUED",
     """Admission takes the queue head only: when the head cannot be admitted, every
@@ -1134,7 +1145,11 @@ class SpecEngine:
             return
         if req.abort_pending:  # already aborted (ABORT.AFTER_NEXT_SAMPLE)
             return
-        if req.status == Status.RUNNING and self.plan.abort_running == "ABORT.AFTER_NEXT_SAMPLE":
+        after_sample = req.status == Status.RUNNING and self.plan.abort_running == "ABORT.AFTER_NEXT_SAMPLE"
+        rule_id = ABORT
+        if after_sample and request_id in self.cut_prefills():  # freed at once, as a waiting request
+            rule_id, after_sample = ABORT_CUT_PREFILL, False
+        if after_sample:
             req.abort_pending = True  # freed with the result of the next step it samples in
             self._aborted.append(request_id)
             self._reasons.append(reason(ABORT_AFTER_SAMPLE, request_id, "aborted by the client; freed after it "
@@ -1150,7 +1165,7 @@ class SpecEngine:
         self._finish(req, Status.ABORTED, None)
         self._when_idle()
         self._aborted.append(request_id)
-        self._reasons.append(reason(ABORT, request_id, "aborted by the client"))
+        self._reasons.append(reason(rule_id, request_id, "aborted by the client"))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0 or bool(self.swapped)

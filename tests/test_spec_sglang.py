@@ -206,3 +206,19 @@ def test_no_chunking_cap_exclusive_is_tested_after_the_estimate():
     recs = steps({**cfg, "no_chunking_cap": "inclusive"}, *reqs)
     assert "ADMIT.NO_CHUNKING" in rules_for(recs[1], "D") and "ESTIMATE.ADMIT" not in rules_for(recs[1], "D")
     assert "ESTIMATE.HOLD_UNTIL_DEPARTURE" not in rules_for(recs[2], "D")
+
+
+def test_abort_of_a_cut_prefill_frees_it_at_once():
+    """Budget 8: A (20 tokens) is cut after 8 at step 0 and aborted at step 1, before its next
+    chunk: SGLang frees its in-flight chunked request at the top of the step
+    (ABORT.CUT_PREFILL_AT_ONCE), so step 1 schedules nothing of A and B (arriving at 1) is admitted
+    with the whole budget.  A request that has sampled still runs once more (ABORT.AFTER_NEXT_SAMPLE)."""
+    cfg = {**SG, "max_num_batched_tokens": 8, "num_blocks": 64, "max_model_len": 128}
+    recs = steps(cfg, R("A", 20, 4, abort_at=1), R("B", 6, 2, at=1))
+    assert recs[0].scheduled == [("A", 8)] and recs[1].aborted == ["A"]
+    assert "ABORT.CUT_PREFILL_AT_ONCE" in rules_for(recs[1], "A")
+    # once it has sampled (step 2 on, 16-token budget) it runs once more after the abort
+    later = steps({**cfg, "max_num_batched_tokens": 32}, R("A", 20, 4, abort_at=2))
+    assert ("A", 1) in later[2].scheduled and "ABORT.AFTER_NEXT_SAMPLE" in rules_for(later[2], "A")
+    assert recs[1].scheduled == [("B", 6)] and "A" not in recs[1].blocks
+    assert all("A" not in dict(r.scheduled) for s, r in recs.items() if s >= 1)
