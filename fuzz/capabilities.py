@@ -592,6 +592,9 @@ RULE_NEEDS: dict[str, dict[str, Any]] = {
     "SLO.FEASIBLE": {"slo_admission": lambda v: v != "off"},
     "PREEMPT.VICTIM_SLO_SLACK": {"preemption_victim": ("slo-slack",)},
     "QUEUE.SPF": {"policy": ("spf",)}, "QUEUE.SPRPT": {"policy": ("sprpt",)},
+    "QUEUE.PRIORITY": {"policy": ("priority", "edf")},  # EDF's queue is a priority queue
+    # the hold is a phase of continuous and static batching (spec.config.step_plan), not of prefill-first
+    "ADMIT.NONE_AFTER_PREEMPT": {"admit_after_preempt": (False,), "batching": ("continuous", "static")},
     "QUEUE.AGING": {"aging_steps": _positive, "policy": ("priority", "spf", "sprpt")},
     "VTC.CHARGE": {"policy": ("vtc",)}, "VTC.LIFT": {"policy": ("vtc",)}, "VTC.PICK": {"policy": ("vtc",)},
     "VTC.QUEUE": {"policy": ("vtc",)},
