@@ -496,7 +496,8 @@ def budget_giveback_rule(record: StepRecord | None, request: str | None) -> tupl
     """``(victim rule, victim)`` when the spec's tokens for ``request`` at this step came after a
     victim scheduled earlier in the same step gave its tokens back to the budget: the step's
     reasons show the victim served (``RUN.*``) and then preempted (its victim rule, whose statement
-    says its tokens are given back), before ``request`` got its own tokens.  The budget that
+    says its tokens are given back), before ``request`` got its own tokens — ``request`` may be the
+    victim itself, resumed in the same step (``admit_after_preempt``).  The budget that
     request was given is then the victim rule's doing (issue 18: a priority preemption in a step
     whose budget is spent), not the request's own ``RUN.*`` / ``ADMIT.*`` rule."""
     reasons = list((record.reasons if record else None) or [])
@@ -508,7 +509,8 @@ def budget_giveback_rule(record: StepRecord | None, request: str | None) -> tupl
             return found
         if rule.startswith(("RUN.DECODE", "RUN.PREFILL_CHUNK")):
             served.add(rid)
-        elif rule.startswith(("PREEMPT.VICTIM_", "RETRACT.VICTIM_")) and rid in served and rid != request:
+        elif rule.startswith(("PREEMPT.VICTIM_", "RETRACT.VICTIM_")) and rid in served:  # (the victim itself too,
+            # re-admitted later in the step with the tokens it gave back: admit_after_preempt)
             found = found or (rule, rid)
     return None
 

@@ -192,6 +192,10 @@ def test_a_budget_given_back_by_a_victim_is_named_by_the_victim_rule():
                               reason("PREEMPT.VICTIM_LOWEST_PRIORITY", "A"), reason("RUN.PREFILL_CHUNK", "C")])
     assert budget_giveback_rule(rec, "C") == ("PREEMPT.VICTIM_LOWEST_PRIORITY", "A")
     assert budget_giveback_rule(rec, "B") is None, "B got its tokens before A gave any back"
+    again = StepRecord(4, reasons=[reason("RUN.DECODE", "A"), reason("PREEMPT.VICTIM_LOWEST_PRIORITY", "A"),
+                                   reason("ADMIT.RESUMED", "A")])
+    assert budget_giveback_rule(again, "A") == ("PREEMPT.VICTIM_LOWEST_PRIORITY", "A"), \
+        "the victim resumed in its own step runs on the tokens it gave back"
     unserved = StepRecord(4, reasons=[reason("PREEMPT.VICTIM_LOWEST_PRIORITY", "A"), reason("RUN.PREFILL_CHUNK", "C")])
     assert budget_giveback_rule(unserved, "C") is None, "a victim not served in the step gives nothing back"
 
