@@ -642,7 +642,7 @@ RULE_NEEDS: dict[str, dict[str, Any]] = {
     "KV.FREE_TO_TAIL": {"free_block_order": ("tail",)},
     "ESTIMATE.ADMIT": {"admission": ("estimate",)}, "ESTIMATE.RATIO": {"admission": ("estimate",)},
     "ESTIMATE.REMAINING": {"admission": ("estimate",)}, "RETRACT.TO_TAIL": {"admission": ("estimate",)},
-    "RETRACT.VICTIM_FEWEST_OUTPUTS": {"admission": ("estimate",)},
+    "RETRACT.VICTIM_FEWEST_OUTPUTS": {"admission": ("estimate",)}, "RETRACT.BATCH_ORDER": {"admission": ("estimate",)},
 }
 
 #: Rules a step plan names (:func:`spec.config.step_plan`) that the spec also reaches outside it:

@@ -731,6 +731,8 @@ class Scheduler:
             if len(self.running):
                 slots1, n1, budget = self._running_phase(batch, budget, cap)
                 if self.estimate:
+                    if batch.preempted:  # RETRACT.BATCH_ORDER
+                        slots1, n1 = self._retraction_order(slots1, n1)
                     self._next_ratio(bool(batch.preempted))
             if self.num_swapped and not batch.preempted:
                 slots_in, n_in, budget = self._schedule_swapped(batch, budget, cap, len(slots1))
@@ -884,6 +886,21 @@ class Scheduler:
             last = int(self.num_computed_tokens[s]) + n >= int(self.num_tokens[s])
             rem -= cdiv(n, bs) * bs + bs + (min(int(self.max_tokens[s]), c.clip_max_new_tokens) if last else 0)
         return rem
+
+    def _retraction_order(self, slots: Array, n: Array):
+        """RETRACT.BATCH_ORDER after a retraction: the running slots sorted by (outputs, -prompt),
+        descending and stable (SGLang keeps its batch in the order it retracted from), and the
+        running phase's ``slots``/``n`` in that order too."""
+        run = xp.to_list(self.running)
+        key = {s: (int(self.num_output_tokens[s]), -int(self.prompt_len[s])) for s in run}
+        order = sorted(run, key=key.__getitem__, reverse=True)
+        self.running = self.be.asarray(order) if order else self.be.empty_int()
+        rank = {s: i for i, s in enumerate(order)}
+        pos = sorted(range(len(slots)), key=lambda j: rank.get(int(slots[j]), len(order)))
+        if not pos:
+            return slots, n
+        idx = self.be.asarray(pos)
+        return slots[idx], n[idx]
 
     def _next_ratio(self, retracted: bool) -> None:
         """ESTIMATE.RATIO after a running phase: linear decay to the floor, or, after a

@@ -400,6 +400,17 @@ def fewest_outputs_victim(running: list[Request]) -> Request:
     return min(reversed(running), key=lambda r: (len(r.output_token_ids), -len(r.prompt_token_ids)))
 
 
+@rule("RETRACT.BATCH_ORDER", knobs=("admission",))
+def retraction_order(running: list[Request]) -> list[Request]:
+    """Under admission="estimate", a step whose running phase retracted requests leaves the running
+    list — and that step's batch — in retraction order: most output tokens first, ties to the
+    shorter prompt, then the earlier in the list.  SGLang's retract_decode sorts the batch by
+    ``(outputs, -prompt)``, descending and stable, pops its victims from the end and keeps the
+    rest in that order (filter_batch(keep_indices=sorted_indices)); later steps decode, sum the
+    estimate and retract again in it."""
+    return sorted(running, key=lambda r: (len(r.output_token_ids), -len(r.prompt_token_ids)), reverse=True)
+
+
 @rule("ESTIMATE.REMAINING", knobs=("admission", "clip_max_new_tokens"))
 def remaining_output(req: Request, cfg: SchedulerConfig) -> int:
     """A request's remaining output, as SGLang counts it: ``min(max(max_tokens -
@@ -1329,8 +1340,13 @@ class SpecEngine:
     @phase("update_ratio")
     def _phase_update_ratio(self, st: StepState) -> None:
         """SGLang: after a running phase that served anybody, new_token_ratio decays, or
-        jumps back up after a retraction (ESTIMATE.RATIO)."""
+        jumps back up after a retraction (ESTIMATE.RATIO), which also leaves the batch in
+        retraction order (RETRACT.BATCH_ORDER)."""
         if st.ran:
+            if st.out.preempted:  # RETRACT.BATCH_ORDER: the survivors, and this step's batch, in retraction order
+                self.running = retraction_order(self.running)
+                order = [r.request_id for r in self.running if r.request_id in st.scheduled]
+                st.scheduled = {rid: st.scheduled[rid] for rid in order + [x for x in st.scheduled if x not in order]}
             self.new_token_ratio = next_ratio(self.new_token_ratio, bool(st.out.preempted), self.running, self.config)
 
     @phase("swap_in")

@@ -222,3 +222,18 @@ def test_abort_of_a_cut_prefill_frees_it_at_once():
     assert ("A", 1) in later[2].scheduled and "ABORT.AFTER_NEXT_SAMPLE" in rules_for(later[2], "A")
     assert recs[1].scheduled == [("B", 6)] and "A" not in recs[1].blocks
     assert all("A" not in dict(r.scheduled) for s, r in recs.items() if s >= 1)
+
+
+def test_a_retraction_leaves_the_batch_in_retraction_order():
+    """77 slots, the ratio decaying in one step.  A (10 tokens) and B (4) run from step 0, C (2)
+    from step 2; at step 22 a decode lacks memory and C (fewest outputs) is retracted.  SGLang's
+    retract_decode keeps the survivors sorted by (outputs, -prompt), descending: A and B have as
+    many outputs and B the shorter prompt, so the batch is B, A from then on (RETRACT.BATCH_ORDER)."""
+    cfg = {**SG, "num_blocks": 78, "max_model_len": 128, "new_token_ratio_decay_steps": 1,
+           "retract_decode_steps": 1}
+    reqs = (R("A", 10, 30, output_tokens=(100,) * 30), R("B", 4, 30, output_tokens=(100,) * 30),
+            R("C", 2, 30, at=2, output_tokens=(100,) * 30))
+    recs = steps(cfg, *reqs)
+    assert scheduled(recs)[21] == [("A", 1), ("B", 1), ("C", 1)]
+    assert recs[22].preempted == ["C"] and scheduled(recs)[22] == [("B", 1), ("A", 1)]
+    assert scheduled(recs)[23][:2] == [("B", 1), ("A", 1)]
