@@ -112,9 +112,12 @@ def automatic_pairs(facts: list[StepFacts]) -> set[str]:
     request across the trace, ``life:A+B`` (names in sorted order)."""
     out: set[str] = set()
     life: dict[str, set[str]] = {}
+    step_sets: set[frozenset[str]] = set()  # a step's rule set seen before adds no pair (most decode steps)
     for f in facts:
-        rules = sorted(r for r in f.rules() if not r.startswith("STATE."))
-        out.update(f"step:{a}+{b}" for a, b in combinations(rules, 2))
+        rules = frozenset(r for r in f.rules() if not r.startswith("STATE."))
+        if rules not in step_sets:
+            step_sets.add(rules)
+            out.update(f"step:{a}+{b}" for a, b in combinations(sorted(rules), 2))
         for rid, mine in f.by_request.items():
             if rid is not None:
                 life.setdefault(rid, set()).update(r for r in mine if not r.startswith("STATE."))
