@@ -163,6 +163,7 @@ STATE_RULES = {
     "accepted": "SPEC.ACCEPT",
     "token_cap": "BUDGET.LONG_PREFILL",
     "ref_counts": "CACHE.TOUCH",
+    "cached_blocks": "CACHE.EVICT_LRU",
 }
 _FLOAT_FIELDS = ("vtc_counters", "estimate_rem")
 
@@ -192,8 +193,8 @@ def _state_divergence(step: int, s: StepRecord | None, e: StepRecord | None, lev
         a, b = getattr(s, name), getattr(e, name)
         if a is None or b is None or (_close(a, b) if name in _FLOAT_FIELDS else _plain(a) == _plain(b)):
             continue
-        if name == "ref_counts":  # a block's references: the step's event on that block
-            rule, who, text = ref_rule(s, e, history())
+        if name in ("ref_counts", "cached_blocks"):  # a block's references or cache entries: the step's event on it
+            rule, who, text = (ref_rule if name == "ref_counts" else cache_rule)(s, e, history())
             return Divergence(step, name, _plain(a), _plain(b), who, rule, text, DECISION, engine, list(s.reasons or []))
         request = _involved(name, a, b) if name not in ("vtc_counters", "estimate_rem", "token_cap") else None
         rule, text, context = spec_reason(s, request, name)
@@ -233,6 +234,7 @@ _FAMILIES = {
     "accepted": ("SPEC.ACCEPT", "SPEC.ROLLBACK"),
     "token_cap": ("BUDGET.LONG_PREFILL",),
     "ref_counts": ("CACHE.", "KV."),
+    "cached_blocks": ("CACHE.", "RETRACT.", "PREEMPT.", "KV."),
 }
 
 
@@ -310,6 +312,33 @@ def one_release(spec: StepRecord, engine: StepRecord, request: str | None, histo
             f"{x[1]} at step {x[0]} ({x[2]}): the order of one request's release")
 
 
+def cache_rule(spec: StepRecord, engine: StepRecord | None, history: list[StepRecord]) -> tuple[str, str | None, str]:
+    """``(rule, request, why)`` for prefix-cache entries that differ (``cached_blocks``): a block
+    whose entry the engine dropped (or kept) when a request that held it was released in this step
+    names that release's rule — a preempted, retracted, aborted or finished request's blocks keep
+    their hash until they are popped (``PREEMPT.RECOMPUTE``, ``RETRACT.TO_TAIL``, ``ABORT.FREE``,
+    ``KV.FREE_ORDER``); otherwise the rule that removes an entry, ``CACHE.EVICT_LRU`` (an entry
+    leaves the cache only when its block is popped for re-use)."""
+    from collections import Counter
+
+    ours, theirs = Counter(spec.cached_blocks or ()), Counter((engine.cached_blocks if engine else None) or ())
+    odd = sorted((ours - theirs) + (theirs - ours))
+    before = (history[-1].block_ids if history else None) or {}
+    finished = {r for r, _ in spec.finished}
+    for block in odd:
+        for rid in (r for r, ids in before.items() if block in ids):
+            if rid in spec.preempted:
+                rule = _preempt_rule(spec, rid)
+                return rule, rid, f"block {block}'s cache entry: {rid} released it when preempted ({rule}), cached until popped"
+            if rid in spec.aborted:
+                return "ABORT.FREE", rid, f"block {block}'s cache entry: {rid} was aborted and released it, cached until popped"
+            if rid in finished:
+                return "KV.FREE_ORDER", rid, f"block {block}'s cache entry: {rid} finished and released it, cached until popped"
+    block = odd[0] if odd else "?"
+    return ("CACHE.EVICT_LRU", None, f"block {block}: {ours.get(block, 0)} cache entries (spec), {theirs.get(block, 0)} "
+            f"(engine); an entry leaves the prefix cache only when its block is popped for re-use")
+
+
 def ref_rule(spec: StepRecord, engine: StepRecord | None, history: list[StepRecord]) -> tuple[str, str | None, str]:
     """``(rule, request, why)`` for reference counts that differ (``ref_counts``): of the blocks whose
     count differs, the first an event of the spec's step touched — released by a request that held
@@ -345,6 +374,11 @@ def ref_rule(spec: StepRecord, engine: StepRecord | None, history: list[StepReco
             f"block {key}: {ours.get(key, 0)} references (spec), {theirs.get(key, 0)} (engine), and no release of the "
             f"spec's step explains it: " + ("besides an allocation only a prefix hit takes a reference" if extra
                                              else "only a release drops a reference"))
+
+
+def _held(record: StepRecord) -> set[int]:
+    """The block ids the record's requests hold."""
+    return {b for ids in (record.block_ids or {}).values() for b in ids}
 
 
 def _was_swapped(history: list[StepRecord], request: str) -> bool:
@@ -413,9 +447,12 @@ def memory_rule(name: str, spec: StepRecord | None, engine: StepRecord | None, r
     if name in ("num_evicted", "evicted"):
         ours, theirs = list(spec.evicted or []), list((engine.evicted if engine else None) or [])
         odd = [b for b in ours if b not in theirs] + [b for b in theirs if b not in ours]
-        released = _last_release(history + [spec], odd[0]) if odd and history else None  # (this step's too)
-        if released and released[1] == "RETRACT.TO_TAIL":
-            return "RETRACT.TO_TAIL", released[0], f"block {odd[0]} was left cached when {released[0]} was retracted"
+        # blocks popped on one side only (a cached block popped, evicting, against an uncached one) too
+        popped = sorted(_held(spec) ^ _held(engine)) if engine is not None else []
+        for block in (odd + popped if history else ()):
+            released = _last_release(history + [spec], block)  # (this step's release too)
+            if released and released[1] == "RETRACT.TO_TAIL":
+                return "RETRACT.TO_TAIL", released[0], f"block {block} was left cached when {released[0]} was retracted"
         return "CACHE.EVICT_LRU", request, None
     if name == "num_free_cpu_blocks":
         # (without the history — a lock-step diff sees one step — an abort is the likeliest release)
@@ -464,7 +501,8 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
     degree, not in kind — the request's own ``RUN.*`` / ``ADMIT.*`` reason says only that it ran:
 
     * ``scheduled``, the request on both sides with a different token count: its prefix hit when the
-      two sides' hits differ (``CACHE.HIT``), else the token rule (``BUDGET.TOKENS``);
+      two sides' hits differ (``CACHE.HIT``), else the token rule (``BUDGET.TOKENS``); a continuing
+      request on one side only, where the other side's batch stops just before it: the token rule;
     * ``resumed``, both sides resuming but not the same requests in the same order: the order
       preempted requests wait in (``QUEUE.VICTIM_TO_FRONT``);
     * any of ``scheduled`` / ``new`` / ``resumed`` in a step whose per-request token cap differs
@@ -477,6 +515,8 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
         return "BUDGET.LONG_PREFILL"
     if name == "scheduled":
         a, b = dict(spec.scheduled), dict(engine.scheduled)
+        if (request in a) != (request in b) and _walk_ended_early(spec, engine, request):
+            return "BUDGET.TOKENS"
         if request not in a or request not in b or a[request] == b[request]:
             return None
         hit_a, hit_b = (spec.cache_hits or {}).get(request), (engine.cache_hits or {}).get(request)
@@ -486,6 +526,17 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
     if name == "resumed" and spec.resumed and engine.resumed and list(spec.resumed) != list(engine.resumed):
         return "QUEUE.VICTIM_TO_FRONT"
     return None
+
+
+def _walk_ended_early(spec: StepRecord, engine: StepRecord, request: str) -> bool:
+    """Whether one side's batch is the other's cut short at ``request``, a continuing request (not
+    admitted, resumed or preempted on either side): the same requests with the same tokens before
+    it, then one side's walk over the running requests stopped — the token budget reached it on
+    one side only."""
+    short, long_ = sorted((list(spec.scheduled), list(engine.scheduled)), key=len)
+    if long_[: len(short)] != short or long_[len(short)][0] != request:
+        return False
+    return not any(request in ids for rec in (spec, engine) for ids in (rec.new, rec.resumed, rec.preempted))
 
 
 #: Fields whose value for a request is the tokens (or the admission) the step's budget left it.

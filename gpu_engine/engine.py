@@ -445,3 +445,5 @@ class GpuEngine:
             rec.hit_blocks = batch.hit_blocks
             held = xp.nonzero(s.pool.ref_cnt != 0)  # the pool's own reference counts, not the tables'
             rec.ref_counts = dict(zip(map(str, xp.to_list(held)), xp.to_list(s.pool.ref_cnt[held])))
+            if s.caching:  # the pool's own cache map: the block of each hash entry
+                rec.cached_blocks = sorted(b for same in s.pool.cached.values() for b in same)

@@ -329,6 +329,7 @@ class StepRecord:
     hit_blocks: dict[str, list[int]] | None = None  # admitted request -> ids of its prefix-hit blocks
     token_cap: int | None = None  # long_prefill_token_threshold > 0: the per-request token cap the step applied (0 none)
     ref_counts: dict[str, int] | None = None  # block id (as a string) -> reference count, each block a running request holds
+    cached_blocks: list[int] | None = None  # the block id of each prefix-cache entry (sorted; a block twice: two entries)
     # speculative decoding (num_speculative_tokens > 0): request -> draft tokens scheduled in this
     # step's batch (padded admissions' dummy drafts included), and request -> drafts accepted among
     # the outputs this record applies (before a stop token trims them); only requests with drafts
@@ -369,7 +370,7 @@ class StepRecord:
             value = getattr(self, name)
             if value is not None and LEVELS.index(level) >= LEVELS.index(lowest):
                 out[name] = {k: list(v) if isinstance(v, list) else v for k, v in value.items()} \
-                    if isinstance(value, dict) else value
+                    if isinstance(value, dict) else list(value) if isinstance(value, list) else value
         if self.reasons is not None:
             out["reasons"] = self.reasons
         return out
@@ -405,6 +406,7 @@ class StepRecord:
             hit_blocks=obj.get("hit_blocks"),
             token_cap=obj.get("token_cap"),
             ref_counts=obj.get("ref_counts"),
+            cached_blocks=obj.get("cached_blocks"),
             drafts=obj.get("drafts"),
             accepted=obj.get("accepted"),
         )
@@ -436,7 +438,8 @@ LEVEL_FIELDS = {
 #: level's own fields, so a divergence shows at the first step where any compared state
 #: differed.  ``cache_registered`` names blocks by ordinal (position in the request), which
 #: engines share; ``hit_blocks`` names block ids, which only the exact level compares, and so
-#: does ``ref_counts`` (a reference taken or dropped wrongly shows at once, not at a later release).
+#: does ``ref_counts`` (a reference taken or dropped wrongly shows at once, not at a later release)
+#: and ``cached_blocks`` (a cache entry dropped or kept wrongly shows at once, not at a later hit).
 STATE_FIELDS = {
     "computed": "decisions",
     "vtc_counters": "decisions",
@@ -445,6 +448,7 @@ STATE_FIELDS = {
     "hit_blocks": "exact",
     "token_cap": "decisions",
     "ref_counts": "exact",
+    "cached_blocks": "exact",
     "drafts": "decisions",
     "accepted": "decisions",
 }

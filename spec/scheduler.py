@@ -1957,6 +1957,9 @@ class SpecEngine:
             record.hit_blocks = out.hit_blocks
             # each held block's reference count, read from the block (KV.FREE_ORDER, CACHE.TOUCH)
             record.ref_counts = {str(b.block_id): b.ref_cnt for t in self.kv.req_blocks.values() for b in t}
+            cache = getattr(self.kv.pool, "cached", None)  # hash -> blocks (CACHE.REGISTER_*, CACHE.EVICT_LRU)
+            if self.config.enable_prefix_caching and cache is not None:
+                record.cached_blocks = sorted(bid for same in cache.values() for bid in same)
 
 
 #: Running-phase checks by rule id (StepPlan.running_checks).

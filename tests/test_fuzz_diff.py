@@ -220,6 +220,8 @@ def test_gpu_engine_state_agrees_with_the_spec(profile):
             compared |= {name for r in gpu_records for name in STATE_FIELDS if getattr(r, name)}
     assert "computed" in compared
     assert {"vtc": "vtc_counters", "sglang": "estimate_rem", "vllm-v1": "cache_registered"}.get(profile, "computed") in compared
+    if profile == "vllm-v1":  # the block-level state: reference counts and cache entries, each engine's own
+        assert {"ref_counts", "cached_blocks"} <= compared
 
 
 def _divergences(trace, monkeypatch, owner, name, replacement):

@@ -340,3 +340,31 @@ def test_several_victims_resumed_is_met_by_its_shape_and_catches_reversed_reinse
             assert group_signature(result)[2] in ms.AT_FAULT["reinsertion_reversed"], group_signature(result)
     assert met >= 3, f"only {met}/8 shaped traces met it"
     assert caught, "no shaped trace caught the reversed re-insertion"
+
+
+def test_a_cache_entry_dropped_at_a_retraction_names_the_retraction():
+    """A retracted request's cached blocks stay in the prefix cache until popped: an engine whose
+    cache map loses them shows it at the retraction (cached_blocks), named RETRACT.TO_TAIL; an
+    entry no release explains names CACHE.EVICT_LRU."""
+    from fuzz.diff import first_divergence
+
+    before = _exact(0, scheduled=[("A", 8)], new=["A"], block_ids={"A": [1, 2]}, blocks={"A": 2}, cached_blocks=[1, 2])
+    spec = [before, _exact(1, preempted=["A"], cached_blocks=[1, 2], reasons=[reason("RETRACT.VICTIM_FEWEST_OUTPUTS", "A")])]
+    dropped = [before, _exact(1, preempted=["A"], cached_blocks=[])]
+    div = first_divergence(spec, dropped, "exact")
+    assert (div.field, div.rule, div.request) == ("cached_blocks", "RETRACT.TO_TAIL", "A"), div.describe()
+    stale = [before, _exact(1, preempted=["A"], cached_blocks=[1, 2, 7])]
+    assert first_divergence(spec, stale, "exact").rule == "CACHE.EVICT_LRU"
+
+
+def test_a_batch_cut_short_before_a_running_request_names_the_token_rule():
+    """The engine's batch is the spec's without its last running request: the budget walk ended
+    earlier (BUDGET.TOKENS), not the request's own RUN.* rule."""
+    from fuzz.diff import first_divergence
+
+    spec = [StepRecord(3, scheduled=[("A", 3), ("B", 1)], reasons=[reason("RUN.DECODE", "A"), reason("RUN.PREFILL_CHUNK", "B")])]
+    short = [StepRecord(3, scheduled=[("A", 3)])]
+    assert first_divergence(spec, short, "decisions").rule == "BUDGET.TOKENS"
+    admitted = [StepRecord(3, scheduled=[("A", 3), ("B", 1)], new=["B"], reasons=[reason("ADMIT.NEW", "B")])]
+    assert first_divergence(admitted, [StepRecord(3, scheduled=[("A", 3)])], "decisions").rule == "ADMIT.NEW", \
+        "an admission is decided by its own rules"
