@@ -630,7 +630,8 @@ RULE_NEEDS: dict[str, dict[str, Any]] = {
     "BUDGET.LONG_PREFILL": {"long_prefill_token_threshold": _positive},
     "BUDGET.LONG_PREFILL_ADAPTIVE": {"long_prefill_token_threshold": _positive,
                                      "long_prefill_token_threshold_adaptive": (True,)},
-    **{f"CACHE.{name}": {"enable_prefix_caching": (True,)} for name in ("EVICT_LRU", "HIT", "TOUCH")},
+    **{f"CACHE.{name}": {"enable_prefix_caching": (True,)} for name in ("HIT", "TOUCH")},
+    "CACHE.EVICT_LRU": {"enable_prefix_caching": (True,), "cache_eviction": ("block-lru",)},
     # CACHE.BLOCK_HASH: block hashes are computed without prefix caching too (counted everywhere)
     "CACHE.SALT": {"enable_prefix_caching": (True,), "request_features": (True,)},
     "CACHE.SKIP_READ": {"enable_prefix_caching": (True,), "request_features": (True,)},
@@ -640,6 +641,14 @@ RULE_NEEDS: dict[str, dict[str, Any]] = {
     # every registration after the forward pass ("computed", SGLang's "prefill-and-finish")
     "CACHE.REGISTER_WHEN_COMPUTED": {"enable_prefix_caching": (True,), "cache_register": lambda v: v != "allocation"},
     "KV.FREE_TO_TAIL": {"free_block_order": ("tail",)},
+    # SGLang's radix cache (issue 16, differences 8 and 13)
+    "CACHE.EVICT_LEAF_LRU": {"enable_prefix_caching": (True,), "cache_eviction": ("leaf-lru",)},
+    "KV.BATCH_ALLOCATION": {"cache_eviction": ("leaf-lru",), "batching": ("prefill-first",)},
+    "CACHE.EVICT_ON_RETRACT": {"enable_prefix_caching": (True,), "cache_eviction": ("leaf-lru",),
+                               "admission": ("estimate",)},
+    "KV.FREE_TO_RELEASE": {"cache_eviction": ("leaf-lru",)},
+    "CACHE.DEDUP_ON_INSERT": {"enable_prefix_caching": (True,), "cache_dedup": ("on-insert",)},
+    "CACHE.REGISTER_PREFILL_AND_FINISH": {"cache_register": ("prefill-and-finish",)},
     "ESTIMATE.ADMIT": {"admission": ("estimate",)}, "ESTIMATE.RATIO": {"admission": ("estimate",)},
     "ESTIMATE.REMAINING": {"admission": ("estimate",)}, "RETRACT.TO_TAIL": {"admission": ("estimate",)},
     "RETRACT.VICTIM_FEWEST_OUTPUTS": {"admission": ("estimate",)}, "RETRACT.BATCH_ORDER": {"admission": ("estimate",)},

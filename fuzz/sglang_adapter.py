@@ -112,9 +112,7 @@ FIXED_BY_SGLANG = {
 
 #: What SGLang itself does for knobs the ``sglang`` profile may still claim otherwise: a trace
 #: asking for this value is run as faithfully as one asking for the profile's (docs/conformance.md).
-SGLANG_BEHAVIOUR = {
-    "cache_register": "computed",  # tokens enter the radix tree after the step that computed them
-}
+SGLANG_BEHAVIOUR: dict[str, Any] = {}  # (none since the profile's radix-cache knobs, #8 and #13)
 
 #: GPU-only modules replaced by inert stubs when they are not importable here.
 GPU_ONLY_MODULES = ("sgl_kernel", "flashinfer", "tvm_ffi", "torchvision")

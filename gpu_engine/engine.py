@@ -60,8 +60,10 @@ SUPPORTED: dict[str, frozenset | None] = {
     "kv_reservation": frozenset({"step", "full", "sequence"}),
     # nano-vllm's (issue 16 item 5)
     "free_block_order": frozenset({"cached-last", "tail"}),
-    "cache_register": frozenset({"allocation", "computed"}),
+    "cache_register": frozenset({"allocation", "computed", "prefill-and-finish"}),
     "cache_duplicates": frozenset({"first", "latest"}),
+    "cache_eviction": frozenset({"block-lru", "leaf-lru"}),
+    "cache_dedup": frozenset({"off", "on-insert"}),
     "max_num_seqs_scope": frozenset({"running", "step"}),
     "prefill_chunking": frozenset({"any", "first-continues", "last-continues"}),
     # SGLang's (issue 16 item 2)

@@ -67,6 +67,7 @@ from gpu_engine import xp
 from gpu_engine.block_pool import BlockPool, hash_block
 from gpu_engine.fairness import TenantCounters
 from gpu_engine.formulas import INF_KEY, cdiv
+from gpu_engine.radix import RadixBlockPool
 from gpu_engine.xp import Array, Backend
 
 FREE, WAITING, RUNNING, PREEMPTED, SWAPPED = 0, 1, 2, 3, 4
@@ -142,13 +143,23 @@ class Scheduler:
         self.client_times = False
         #: requests admitted into running at once: max_num_active_seqs when set (vLLM), else max_num_seqs
         self.admit_limit = c.max_num_active_seqs or c.max_num_seqs
-        self.pool = BlockPool(self.be, c.num_blocks, c.null_block, c.enable_prefix_caching,
-                              free_to_tail=c.free_block_order == "tail", latest_wins=c.cache_duplicates == "latest")
+        # SGLang's radix cache: whole leaf nodes evicted (CACHE.EVICT_LEAF_LRU), a duplicate of a cached
+        # block freed when it would be registered (CACHE.DEDUP_ON_INSERT), blocks registered after a
+        # prefill and at finish only (CACHE.REGISTER_PREFILL_AND_FINISH)
+        self.leaf_lru = c.cache_eviction == "leaf-lru"
+        self.dedup = c.cache_dedup == "on-insert"
+        self.prefill_finish = c.cache_register == "prefill-and-finish"
+        self.owed_pops: list | None = None  # KV.BATCH_ALLOCATION: (slots, need, held, total) to pop
+        if self.leaf_lru:
+            self.pool = RadixBlockPool(self.be, c.num_blocks, c.null_block, c.enable_prefix_caching)
+        else:
+            self.pool = BlockPool(self.be, c.num_blocks, c.null_block, c.enable_prefix_caching,
+                                  free_to_tail=c.free_block_order == "tail", latest_wins=c.cache_duplicates == "latest")
         # nano-vllm's knobs: blocks enter the cache after the step that computed them
         # (CACHE.REGISTER_WHEN_COMPUTED), max_num_seqs bounds a step's batch (BATCH.MAX_NUM_SEQS_PER_STEP),
         # only a prefill batch's first request may be cut and a cut prefill continues first
         # (ADMIT.CHUNK_ONLY_FIRST, RUN.CONTINUE_PREFILL_FIRST)
-        self.register_computed = c.cache_register == "computed"
+        self.register_computed = c.cache_register != "allocation"  # (not at allocation)
         self.step_scope = c.max_num_seqs_scope == "step"
         self.first_continues = c.prefill_chunking == "first-continues"
         # SGLang's knobs: a cut prefill (the last of its batch) continues first too
@@ -579,14 +590,31 @@ class Scheduler:
             if len(some) < len(need):
                 slots, need = slots[some], need[some]
             total = xp.total(need)
-        blocks = self.pool.pop(total)
         if held is None:
             held = self.num_blocks[slots]
+        if self.owed_pops is not None:  # KV.BATCH_ALLOCATION: taken once the prefill batch is formed
+            self.owed_pops.append((xp.copy(slots), xp.copy(need), xp.copy(held), total))
+            self.pool.owed += total
+            self.num_blocks[slots] = held + need
+            return
+        self._place(slots, need, held, total)
+
+    def _place(self, slots: Array, need: Array, held: Array, total: int) -> None:
+        """Pop ``total`` blocks onto the slots' tables, ``need[i]`` each after their ``held``."""
+        blocks = self.pool.pop(total)
         rows, cols = self._table_entries(slots, need, held, total=total)
         self.block_table[rows, cols] = blocks
         self.num_blocks[slots] = held + need
         if self.host_tables is not None:
             self._mirror(slots, need, blocks)
+
+    def _take_deferred(self) -> None:
+        """KV.BATCH_ALLOCATION: the prefill batch's promised blocks, popped in batch order (leaves
+        evicted for them only now, after every candidate's lookup)."""
+        owed, self.owed_pops = self.owed_pops, None
+        for slots, need, held, total in owed:
+            self.pool.owed -= total
+            self._place(slots, need, held, total)
 
     def _mirror(self, slots: Array, counts: Array, blocks: Array) -> None:
         """Append to the host copy of the block tables (kept only for the exact log,
@@ -602,6 +630,10 @@ class Scheduler:
         their count per slot, when the caller knows the slots hold all of them)."""
         if not self.caching:
             return
+        if self.leaf_lru:  # every call walks the tree from the root, new blocks or not
+            for s, u in zip(xp.to_list(slots), xp.to_list(upto_tokens)):
+                self._insert_tree(s, u)
+            return
         if full is None:
             full = xp.minimum(upto_tokens // self.bs, self.num_blocks[slots])  # (hashes past max_model_len: no block)
         cached = self.num_cached_blocks[slots]
@@ -613,6 +645,10 @@ class Scheduler:
     def _register_full(self, ts: Array, lo: Array, hi: Array) -> None:
         """Register blocks ``lo[i] .. hi[i] - 1`` of each slot ``ts[i]`` (all full, hashed)."""
         ts_l, lo_l, hi_l = xp.to_list(ts), xp.to_list(lo), xp.to_list(hi)  # (the hash map is on the host)
+        if self.leaf_lru or self.dedup:
+            for s, a, b in zip(ts_l, lo_l, hi_l):
+                self._insert_tree(s, b * self.bs) if self.leaf_lru else self._register_dedup(s, a, b)
+            return
         chains = self.hashes
         if sum(hi_l) - sum(lo_l) == len(ts_l):  # one new full block each (the steady state; every hi > lo)
             blocks = self.block_table[ts, lo]
@@ -627,6 +663,53 @@ class Scheduler:
         if self.log_state:
             for s, a, b in zip(ts_l, lo_l, hi_l):
                 self.registered.setdefault(self.ids[s], []).extend(range(a, b))
+
+    def _rebind(self, s: int, i: int, cached: int) -> None:
+        """CACHE.DEDUP_ON_INSERT: entry ``i`` of slot ``s``'s table becomes the cached block with
+        the same content (a reference more); its own block is freed."""
+        own = int(self.block_table[s, i])
+        self.pool.touch(self.be.asarray([cached]))
+        self.block_table[s, i] = cached
+        if self.host_tables is not None:
+            table = list(self.host_tables[s])
+            table[i] = cached
+            self.host_tables[s] = table
+        self.pool.free(self.be.asarray([own]), self.be.asarray([0]))
+
+    def _register_dedup(self, s: int, lo: int, hi: int) -> None:
+        """CACHE.DEDUP_ON_INSERT over the hash map: blocks ``lo .. hi - 1`` of slot ``s`` in
+        order, each rebound to the earliest cached block with its hash, else registered."""
+        new = []
+        for i in range(lo, hi):
+            h = self.hashes[s][i]
+            same = self.pool.cached.get(h)
+            first = next(iter(same)) if same else None
+            if first is not None and first != int(self.block_table[s, i]):
+                self._rebind(s, i, first)
+            else:
+                self.pool.register([int(self.block_table[s, i])], [h])
+                new.append(i)
+        self.num_cached_blocks[s] = max(int(self.num_cached_blocks[s]), hi)
+        if self.log_state and new:
+            self.registered.setdefault(self.ids[s], []).extend(new)
+
+    def _insert_tree(self, s: int, upto: int) -> None:
+        """CACHE.EVICT_LEAF_LRU's insert of slot ``s``'s full blocks up to token ``upto``: walked
+        into the radix trie from the root; duplicates rebound (CACHE.DEDUP_ON_INSERT); a path past
+        the prompt inserted again up to the prompt's end (which splits it there)."""
+        end = min(upto // self.bs, len(self.hashes[s]), int(self.num_blocks[s]))
+        if end <= 0:
+            return
+        chain = self.hashes[s]
+        dups, first = self.pool.insert(chain[:end], xp.to_list(self.block_table[s, :end]))
+        for i, cached in dups:
+            self._rebind(s, i, cached)
+        prompt = int(self.prompt_len[s]) // self.bs
+        if 0 < prompt < end:
+            self.pool.insert(chain[:prompt], xp.to_list(self.block_table[s, :prompt]))
+        self.num_cached_blocks[s] = max(int(self.num_cached_blocks[s]), end)
+        if self.log_state and end > first:
+            self.registered.setdefault(self.ids[s], []).extend(range(first, end))
 
     def _cache_allocated(self, slots: Array, upto_tokens: Array) -> None:
         """CACHE.REGISTER_AT_ALLOCATION: an allocation's newly full blocks enter the cache at
@@ -650,7 +733,7 @@ class Scheduler:
     def _cache_computed(self, batch: Batch) -> None:
         """CACHE.REGISTER_WHEN_COMPUTED: after the step, each request of the batch (batch
         order) registers every block full of computed tokens, before finished requests free."""
-        if self.register_computed and len(batch.slots):
+        if self.register_computed and not self.prefill_finish and len(batch.slots):
             self._cache_blocks(batch.slots, self.num_computed_tokens[batch.slots])
 
     def _preempt(self, victims: Array, batch: Batch) -> None:
@@ -707,6 +790,8 @@ class Scheduler:
         """
         c = self.config
         self.pool.evicted = []
+        # KV.BATCH_ALLOCATION: a prefill batch's blocks are taken after it is formed (leaf-lru)
+        self.owed_pops = [] if self.leaf_lru and c.batching == "prefill-first" else None
         eligible = len(self.running) + self.num_waiting
         cap = c.long_prefill_token_threshold if eligible > 1 else 0
         if cap and c.long_prefill_token_threshold_adaptive:  # floored at an even split of the budget
@@ -727,6 +812,8 @@ class Scheduler:
         held = c.batching == "prefill-first" and not self.num_swapped and self._held(had_cut)
         if c.batching == "prefill-first" and self.num_waiting and not self.num_swapped and not held:
             slots2, n2, budget = self._schedule_waiting(batch, budget, cap, len(slots_c), (slots_c, n_c))
+        if self.owed_pops is not None:
+            self._take_deferred()
         if not len(slots2) and not len(slots_c):  # (a step that continued a prefill is a prefill batch)
             if len(self.running):
                 slots1, n1, budget = self._running_phase(batch, budget, cap)
@@ -797,6 +884,16 @@ class Scheduler:
             smp = slots[samples]
             self.placeholders[smp] += d[samples]
             self.proposed[smp] = self.num_spec
+
+    def _retract_evicting(self, victims: Array, batch: Batch, num_run: int) -> None:
+        """CACHE.EVICT_ON_RETRACT: for each victim in order, every unlocked leaf is evicted, the
+        victim freed, then leaves evicted until ``remaining x retract_decode_steps`` tokens' blocks
+        hold no content."""
+        steps = self.config.retract_decode_steps
+        for k, v in enumerate(xp.to_list(victims), 1):
+            self.pool.evict_all()
+            self._preempt(self.be.asarray([v]), batch)
+            self.pool.make_room(cdiv((num_run - k) * steps, self.bs))
 
     def _held(self, had_cut: bool) -> bool:
         """ESTIMATE.HOLD_UNTIL_DEPARTURE at the admission gate: held while every request of the
@@ -1089,7 +1186,10 @@ class Scheduler:
                         unscheduled += xp.to_list(ss[hit])
                         num_scheduled -= xp.total(hit * 1)
             shift = int((vpos < p).sum())
-            self._preempt(victims, batch)
+            if self.leaf_lru and self.estimate:
+                self._retract_evicting(victims, batch, len(run))
+            else:
+                self._preempt(victims, batch)
             batch.preempted += [self.ids[v] for v in xp.to_list(victims)]
             run = run[self.status[run] == RUNNING]
             i = p - shift
@@ -1224,7 +1324,9 @@ class Scheduler:
             self._round = _ReserveRound(self._free_now(continued), xp.to_list(continued[0]))
         # speculative decoding: one candidate per round (a padded admission pops more blocks than
         # the window's conflict test assumes)
-        window = 1 if self.num_spec else 8
+        # leaf-lru: one candidate per round (a lookup splits and stamps the tree, the spec's per head)
+        single = self.num_spec or self.leaf_lru
+        window = 1 if single else 8
         while budget > 0 and self.num_waiting > 0 and self._room(scheduled) > 0:
             if self.tc is not None:  # VTC: one admission per round, each charge moves the pick
                 keys = xp.where(self.tenant == self.tc.pick(), self.queue_key, INF_KEY)
@@ -1235,7 +1337,7 @@ class Scheduler:
                 # the budget admits a few long prompts; more rounds change no decision (each starts
                 # from the state the last one left, as the cut at a conflict already does)
                 width = min(self.num_waiting, self._room(scheduled), budget, window)
-                window *= 1 if self.num_spec else 2
+                window *= 1 if single else 2
                 cand = xp.smallest_k(self._queue_keys(), width)
             ntok = self.num_tokens[cand]
             if self.caching:
@@ -1487,7 +1589,7 @@ class Scheduler:
             return self._update_verified(batch, tokens, eos_token_id)
         smp = batch.slots if batch.all_sample else batch.slots[batch.samples]
         if len(smp) == 0:
-            return []
+            return self._settle_inserting(batch, smp, smp, None, None, None) if self.prefill_finish else []
         c = self.config
         pos = self.num_tokens[smp]
         self.token_ids[smp, pos] = tokens
@@ -1513,7 +1615,7 @@ class Scheduler:
         pending = xp.isin(smp, self.be.asarray(sorted(self.abort_pending))) if self.abort_pending else None
         if pending is not None and fin_mask is not None:  # ABORT.AFTER_NEXT_SAMPLE: no stop rule for them
             fin_mask = fin_mask & ~pending
-        if self.caching:
+        if self.caching and not self.prefill_finish:
             plan = self._plan
             if fin_mask is None and plan is not None and plan[2] is not None and plan[0] is smp and plan[1] == self.clock:
                 grow = plan[2].get((-1 - (self.clock - plan[3])) % self.bs, self._empty)  # (see _phase_plan)
@@ -1524,6 +1626,8 @@ class Scheduler:
                 grow = xp.nonzero(full)
             if len(grow):
                 self._extend_chains(smp[grow], ntok[grow])
+        if self.prefill_finish:
+            return self._settle_inserting(batch, smp, ntok, fin_mask, code if fin_mask is not None else None, pending)
         if fin_mask is None or not xp.any_true(fin_mask):
             return self._free_abort_pending(smp, pending, [])
         fin = smp[fin_mask]
@@ -1535,6 +1639,43 @@ class Scheduler:
             self._release(s)
         self.running = self.running[self.status[self.running] == RUNNING]
         return self._free_abort_pending(smp, pending, out)
+
+    def _settle_inserting(self, batch: Batch, smp: Array, ntok: Array, fin_mask, code, pending) -> list:
+        """CACHE.REGISTER_PREFILL_AND_FINISH after the outputs: each sampler in batch order registers
+        its computed blocks if it prefilled in this step (a resumed or new request, or a chunk) or
+        finished, and a finished one is then freed; the cut prefills register after them."""
+        if self.caching:  # hash the blocks the new tokens filled (a finished request's last one never)
+            full = ntok % self.bs == 0
+            if fin_mask is not None:
+                full &= ~fin_mask
+            grow = xp.nonzero(full)
+            if len(grow):
+                self._extend_chains(smp[grow], ntok[grow])
+        slots = xp.to_list(batch.slots)
+        resumed = set(batch.resumed)
+        start, before = xp.to_list(batch.start), xp.to_list(self.num_tokens[batch.slots])
+        samples = [True] * len(slots) if batch.all_sample else xp.to_list(batch.samples)
+        fin = dict(zip(xp.to_list(smp), xp.to_list(fin_mask))) if fin_mask is not None else {}
+        why = dict(zip(xp.to_list(smp), xp.to_list(code))) if code is not None else {}
+        out = []
+        for s, st, nt, sm in zip(slots, start, before, samples):
+            if not sm:
+                continue
+            outs = int(self.num_output_tokens[s]) - 1  # (before this step's token)
+            done = fin.get(s, False)
+            if done or self.ids[s] in resumed or outs == 0 or st < nt - 2:
+                self._cache_blocks(self.be.asarray([s]), self.be.asarray([int(self.num_computed_tokens[s])]))
+            if done:
+                self._free_tables(self.be.asarray([s]))
+                out.append((self.ids[s], self._reason(s, why[s])))
+                self._release(s)
+        if out:
+            self.running = self.running[self.status[self.running] == RUNNING]
+        out = self._free_abort_pending(smp, pending, out)
+        for s, sm in zip(slots, samples):
+            if not sm:
+                self._cache_blocks(self.be.asarray([s]), self.be.asarray([int(self.num_computed_tokens[s])]))
+        return out
 
     def _update_verified(self, batch: Batch, tokens: Array, eos_token_id: int) -> list[tuple[str, str]]:
         """:meth:`update` with speculative decoding, one sampling request at a time in batch

@@ -109,7 +109,8 @@ LOG_STATEMENTS: dict[str, str] = {
         "(under full: at least that many, and never more than its reservation)."),
     "MEM.TABLE_APPEND_ONLY": (
         "While a request runs its block table only grows, with blocks that no request running through "
-        "the step held before it (its prefix hits at admission excepted); such blocks are never evicted."),
+        "the step held before it (its prefix hits at admission excepted; under cache_dedup=on-insert an "
+        "entry may be rebound to the cached copy another request holds); such blocks are never evicted."),
     "LOG.STATE_CONSISTENT": (
         "The optional state fields agree with the decisions: computed names the running requests with "
         "the tokens their chunks add up to; VTC counters never decrease; hit_blocks are the first blocks of "
@@ -117,7 +118,8 @@ LOG_STATEMENTS: dict[str, str] = {
         "full of computed tokens."),
     "CACHE.HITS_CONSISTENT": (
         "cache_hits names exactly the requests admitted from the waiting queue in the step, each hit "
-        "a whole number of blocks (0 without prefix caching); blocks are evicted only with prefix caching."),
+        "a whole number of blocks (0 without prefix caching); blocks are evicted only with prefix caching, "
+        "at most as many as the step allocated (under cache_eviction=block-lru)."),
     "SAMPLE.IN_VOCAB": "A sampled token id is inside the vocabulary (the trace's vocab_size).",
     "STOP.CONSISTENT": (
         "A request finishes exactly when the token it sampled meets a stop condition (EOS unless "
@@ -779,9 +781,12 @@ class LogChecker:
             return
         s, bs = rec.step, self.cfg.block_size
         live = {b for rid in throughout for b in self._tables.get(rid, [])}
+        dedup = self.cfg.cache_dedup == "on-insert"
         for rid, table in rec.block_ids.items():
             if rid in throughout:
                 prev = self._tables.get(rid, [])
+                if dedup and len(table) >= len(prev):  # CACHE.DEDUP_ON_INSERT rebinds entries to cached copies
+                    prev = table[: len(prev)]
                 if table[: len(prev)] != prev:
                     self.flag("MEM.TABLE_APPEND_ONLY", s, rid, f"table {table[:6]} does not extend {prev[:6]}", "block_ids")
                     continue
@@ -789,7 +794,7 @@ class LogChecker:
             else:  # admitted in this step: its prefix hits may be anybody's blocks
                 fresh = table[(rec.cache_hits or {}).get(rid, 0) // bs:]
             taken = sorted(live.intersection(fresh))
-            if taken:
+            if taken and not dedup:
                 self.flag("MEM.TABLE_APPEND_ONLY", s, rid, f"new blocks {taken[:4]} were held by a running request", "block_ids")
         evicted = sorted(live.intersection(rec.evicted or []))
         if evicted:
@@ -802,8 +807,8 @@ class LogChecker:
         if rec.blocks is None:
             return
         held, self._held = self._held, dict(rec.blocks)
-        if rec.num_evicted is None or rec.preempted:
-            return
+        if rec.num_evicted is None or rec.preempted or self.cfg.cache_eviction == "leaf-lru":
+            return  # (CACHE.EVICT_LEAF_LRU evicts whole leaves, however few blocks were missing)
         pops = 0
         for rid, n in rec.blocks.items():
             pops += n - (held.get(rid, 0) if rid in throughout else self.req(rid).hit_blocks)

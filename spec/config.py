@@ -48,12 +48,23 @@ class SchedulerConfig:
     free_block_order: str = "cached-last"
     #: When a full block enters the prefix cache (rules CACHE.REGISTER_*): "allocation" — as
     #: soon as it is allocated, before the forward pass (vLLM); "computed" — after the step
-    #: that computed it (nano-vllm's hash_blocks in postprocess).
+    #: that computed it (nano-vllm's hash_blocks in postprocess); "prefill-and-finish" — after a
+    #: step that computed part of its prompt, and when it finishes, never while it decodes
+    #: (SGLang's checkpoint after an extend batch and release_kv_cache at finish).
     cache_register: str = "allocation"
     #: A lookup among several cached blocks with the same content finds (rule CACHE.LATEST_WINS):
     #: "first" — the earliest cached (vLLM keeps them all); "latest" — the last registered,
     #: which replaces the earlier one in the cache map (nano-vllm's hash -> block id dict).
     cache_duplicates: str = "first"
+    #: What the prefix cache evicts when blocks run out (rules CACHE.EVICT_*): "block-lru" — one
+    #: cached block at a time, least recently freed first, when popped for re-use (vLLM);
+    #: "leaf-lru" — the cache is a radix tree and whole unlocked leaves go, least recently used
+    #: first, until enough blocks are free (SGLang's RadixCache evict_for_alloc).
+    cache_eviction: str = "block-lru"
+    #: Whether a computed block whose content is already cached is kept (rule CACHE.DEDUP_ON_INSERT):
+    #: "off" — both copies stay (vLLM); "on-insert" — the request is pointed at the cached copy and
+    #: its own is freed when its blocks enter the cache (SGLang's checkpoint_into_tree).
+    cache_dedup: str = "off"
 
     # --- budgets ----------------------------------------------------------
     #: Tokens scheduled per step, over all requests (rule BUDGET.TOKENS).
@@ -282,8 +293,10 @@ KNOB_CHOICES: dict[str, tuple[str, ...]] = {
     "batching": ("continuous", "prefill-first", "static"),
     "kv_reservation": ("step", "full", "sequence"),
     "free_block_order": ("cached-last", "tail"),
-    "cache_register": ("allocation", "computed"),
+    "cache_register": ("allocation", "computed", "prefill-and-finish"),
     "cache_duplicates": ("first", "latest"),
+    "cache_eviction": ("block-lru", "leaf-lru"),
+    "cache_dedup": ("off", "on-insert"),
     "max_num_seqs_scope": ("running", "step"),
     "prefill_chunking": ("any", "first-continues", "last-continues"),
     "length_limits": ("reject", "clip"),
@@ -363,7 +376,10 @@ def step_plan(cfg: "SchedulerConfig") -> StepPlan:
         (("update_ratio",) if cfg.admission == "estimate" else ()) + (("swap_in",) if swap else ())
     if cfg.batching == "prefill-first":
         first = ("continue_prefill",) if cfg.prefill_chunking != "any" else ()
-        phases = (*(("hold_for_swapped",) if swap else ()), *first, *slo_gate, "schedule_waiting", "end_prefill_batch",
+        defer, take = (("defer_prefill_blocks",), ("take_prefill_blocks",)) if cfg.cache_eviction == "leaf-lru" \
+            else ((), ())  # KV.BATCH_ALLOCATION
+        phases = (*(("hold_for_swapped",) if swap else ()), *defer, *first, *slo_gate, "schedule_waiting", *take,
+                  "end_prefill_batch",
                   *at_risk, "schedule_running", *after_running)
     else:
         gates = (("hold_static_batch",) if cfg.batching == "static" else ()) + \
@@ -543,8 +559,10 @@ SGLANG = _derived(
      "retract_decode / Req._check_token_based_finish, scheduler_components/new_token_ratio_tracker.py; checked by "
      "fuzz/sglang_adapter.py (docs/conformance.md, SGLang section)",),
     {"page_size": "1 (SGLang's default): block_size = 1, so allocation is per token",
-     "radix cache": "the spec's hash-chained block cache stands in for RadixCache (per-token pages: same hits up to the "
-                    "last token); SGLang evicts whole LRU leaves, the spec single blocks (docs/conformance.md #8)",
+     "radix cache": "a radix tree over the hash-chained blocks (per-token pages: same hits up to the last token), "
+                    "whole LRU leaves evicted (cache_eviction=leaf-lru), a duplicate freed on insert "
+                    "(cache_dedup=on-insert), tokens inserted after a prefill and at finish "
+                    "(cache_register=prefill-and-finish); SGLang's free-slot re-sort is not modelled (exact level)",
      "chunked prefill": "on (SGLang's default): the request on which the budget runs out is cut and continues first "
                         "(prefill_chunking=last-continues); chunked_prefill_size = max_prefill_tokens = "
                         "max_num_batched_tokens",
@@ -556,7 +574,8 @@ SGLANG = _derived(
      "block 0": "reserved as the padding slot (null block)"},
     batching="prefill-first", admission="estimate", enable_chunked_prefill=True, max_num_batched_tokens=16384,
     block_size=1, num_blocks=16384, scheduler_reserve_full_isl=False, max_num_seqs=1024,
-    length_limits="clip", ignore_eos_scope="eos-and-stop-tokens", cache_register="computed",
+    length_limits="clip", ignore_eos_scope="eos-and-stop-tokens", cache_register="prefill-and-finish",
+    cache_eviction="leaf-lru", cache_dedup="on-insert",
     prefill_chunking="last-continues", abort_running="after-next-sample", admission_hold="until-departure",
     ignore_eos_admission="reserve", no_chunking_cap="exclusive",
 )
@@ -777,6 +796,19 @@ def validate(cfg: SchedulerConfig) -> SchedulerConfig:
     if cfg.ignore_eos_admission != "estimate" and cfg.admission != "estimate":
         raise ConfigError("ignore_eos_admission", f"{cfg.ignore_eos_admission} replaces ESTIMATE.ADMIT for ignore_eos "
                                                   "requests; it needs admission=estimate")
+    if cfg.cache_eviction == "leaf-lru" and (cfg.free_block_order, cfg.cache_duplicates) != ("cached-last", "first"):
+        bad = "free_block_order" if cfg.free_block_order != "cached-last" else "cache_duplicates"
+        raise ConfigError(bad, f"{getattr(cfg, bad)} is a block-map rule; cache_eviction=leaf-lru keeps a radix tree "
+                               "(free_block_order=cached-last, cache_duplicates=first)")
+    if cfg.cache_eviction == "leaf-lru" and cfg.cache_register == "allocation":
+        raise ConfigError("cache_register", "allocation caches blocks before they are computed; the radix tree of "
+                                            "cache_eviction=leaf-lru holds computed tokens (computed, prefill-and-finish)")
+    if cfg.cache_eviction == "leaf-lru" and cfg.cache_dedup != "on-insert":
+        raise ConfigError("cache_dedup", "off keeps two copies of a prefix; the radix tree of cache_eviction=leaf-lru "
+                                         "holds one (it needs cache_dedup=on-insert)")
+    if cfg.cache_dedup == "on-insert" and cfg.cache_duplicates != "first":
+        raise ConfigError("cache_duplicates", f"{cfg.cache_duplicates} replaces a cached copy; cache_dedup=on-insert "
+                                              "keeps the first (it needs cache_duplicates=first)")
     if cfg.length_limits == "clip" and not cfg.reject_unservable:
         # the clip assumes the prompt passed the input limit (a longer one would get no output at all)
         raise ConfigError("length_limits", "clip needs reject_unservable=true (its input limit)")
@@ -791,7 +823,8 @@ def validate(cfg: SchedulerConfig) -> SchedulerConfig:
 #: has been stated and checked for; the others are refused rather than guessed.
 ASYNC_NEEDS = {"batching": "continuous", "kv_reservation": "step", "admission": "budget",
                "preemption_mode": "recompute", "cache_register": "allocation", "max_num_seqs_scope": "running",
-               "prefill_chunking": "any", "abort_running": "at-once", "length_limits": "reject"}
+               "prefill_chunking": "any", "abort_running": "at-once", "length_limits": "reject",
+               "cache_eviction": "block-lru", "cache_dedup": "off"}
 
 
 def _check_async(cfg: SchedulerConfig) -> None:

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import Iterable, Protocol
 
 from spec.config import SchedulerConfig
-from spec.rules import declare, rule
+from spec.radix import RadixTree
+from spec.rules import declare, fired, rule
 
 
 def cdiv(a: int, b: int) -> int:
@@ -159,7 +160,7 @@ class BlockPool:
             b.ref_cnt = 1
         return out
 
-    @rule("CACHE.EVICT_LRU", knobs=("enable_prefix_caching",))
+    @rule("CACHE.EVICT_LRU", knobs=("enable_prefix_caching", "cache_eviction"))
     def _evict(self, b: KVBlock) -> None:
         """A cached block is evicted only when popped for re-use, never earlier.
 
@@ -248,6 +249,98 @@ class BlockPool:
         return out
 
 
+class OwedBlock(KVBlock):
+    """A block table entry whose block is taken when the prefill batch is complete (KV.BATCH_ALLOCATION)."""
+
+
+class RadixPool(BlockPool):
+    """The block pool under cache_eviction="leaf-lru": cached blocks live in a radix tree
+    (:class:`spec.radix.RadixTree`) whose unlocked leaves are evicted whole.
+
+    ``free`` still holds every free block, evictable cached ones included, so
+    ``num_free_blocks`` counts free + evictable as under block-lru; new blocks come from
+    ``clean``, the free blocks without cached content, in the order they became free
+    (KV.FREE_TO_RELEASE).
+    """
+
+    def __init__(self, cfg: SchedulerConfig):
+        super().__init__(cfg)
+        self.tree = RadixTree()
+        self.clean = FreeBlockQueue(self.blocks[1 if cfg.null_block else 0:])
+        #: KV.BATCH_ALLOCATION: while a prefill batch forms, new blocks are IOUs taken afterwards
+        self.deferring = False
+        self.owed: list[OwedBlock] = []
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free) - len(self.owed)
+
+    def lookup(self, hashes: list[bytes]) -> list[KVBlock]:
+        """CACHE.EVICT_LEAF_LRU's tree lookup: a match that ends inside a node splits it, and
+        the matched path becomes the most recently used."""
+        return self.tree.match(hashes)
+
+    @rule("KV.FREE_TO_RELEASE", knobs=("cache_eviction",))
+    def get_new_blocks(self, n: int) -> list[KVBlock]:
+        """Under cache_eviction="leaf-lru", new blocks are the free blocks without cached content,
+        oldest first: never-used blocks in id order, then blocks in the order they were freed or
+        evicted (whole leaves are evicted first when too few are free, CACHE.EVICT_LEAF_LRU).
+
+        SGLang's token allocator hands out its free list from the front and appends freed slots
+        to a release list it only merges back when the free list runs short.
+        """
+        if self.deferring:
+            owed = [OwedBlock(-1) for _ in range(n)]
+            self.owed += owed
+            return owed
+        self.make_room(n)
+        out = self.clean.popleft_n(n)
+        for b in out:
+            self.free.remove(b)
+            b.ref_cnt = 1
+        return out
+
+    @rule("CACHE.EVICT_LEAF_LRU", knobs=("cache_eviction",))
+    def make_room(self, n: int) -> None:
+        """Under cache_eviction="leaf-lru", when fewer than ``n`` free blocks hold no cached
+        content, whole unlocked leaves of the radix tree are evicted, least recently used
+        first, until ``n`` do; a parent left without children becomes a leaf and is eligible
+        in its turn.  An evicted leaf frees all its blocks, however few were missing: 41
+        tokens short, a 49-token leaf goes.
+
+        SGLang's RadixCache (``evict_to_free_tokens`` -> ``evict_for_alloc``) evicts a node's
+        tokens together because a node is its unit of bookkeeping: its KV indices are one
+        tensor and its recency one timestamp; the surplus stays free for later allocations.
+        """
+        if len(self.clean) < n:
+            self.tree.evict_until(lambda: len(self.clean) >= n, self._evict_leaf_block)
+
+    def _evict_leaf_block(self, b: KVBlock) -> None:
+        """Drop ``b``'s cached content (out of the cache map, logged as evicted); it is clean now."""
+        same = self.cached[b.block_hash]
+        del same[b.block_id]
+        if not same:
+            del self.cached[b.block_hash]
+        b.block_hash = None
+        self.evicted.append(b.block_id)
+        self.clean.append_n([b])
+
+    def evict_all(self) -> None:
+        """Evict every unlocked leaf, and the parents they uncover."""
+        self.tree.evict_until(lambda: False, self._evict_leaf_block)
+
+    def free_blocks(self, ordered: list[KVBlock]) -> None:
+        """Blocks reaching ref count 0 join ``free``; those without cached content join
+        ``clean`` too, at its tail (KV.FREE_TO_RELEASE)."""
+        zero = []
+        for b in ordered:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                zero.append(b)
+        self.free.append_n(zero)
+        self.clean.append_n([b for b in zero if b.block_hash is None])
+
+
 @dataclass(frozen=True)
 class AllocFailure:
     """Why ``allocate_slots`` found no room: the rule and the numbers."""
@@ -294,13 +387,17 @@ class KVCacheManager:
     def __init__(self, cfg: SchedulerConfig):
         self.cfg = cfg
         self.block_size = cfg.block_size
-        self.pool = BlockPool(cfg)
+        self.pool = RadixPool(cfg) if cfg.cache_eviction == "leaf-lru" else BlockPool(cfg)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
         #: request -> ordinals of the blocks it registered since ``take_registered`` (None: not logged)
         self.registered: dict[str, list[int]] | None = None
-        if cfg.cache_register == "computed":  # the scheduler registers blocks after the step instead
+        if cfg.cache_register != "allocation":  # the scheduler registers blocks after the step instead
             self.register_allocated = _not_yet
+        if cfg.cache_eviction == "leaf-lru":
+            self.cache_blocks, self.get_computed_blocks = self.insert_into_tree, self.get_tree_hits
+        elif cfg.cache_dedup == "on-insert":
+            self.cache_blocks = self.cache_blocks_dedup
 
     def blocks_of(self, request_id: str) -> list[KVBlock]:
         return self.req_blocks.get(request_id, [])
@@ -324,6 +421,16 @@ class KVCacheManager:
             if b is None:
                 break
             hits.append(b)
+        return hits, len(hits) * self.block_size
+
+    def get_tree_hits(self, req: SequenceLike) -> tuple[list[KVBlock], int]:
+        """CACHE.HIT under cache_eviction="leaf-lru": the same leading blocks, looked up in the
+        radix tree (which splits the node the match ends in and stamps the matched path)."""
+        if not self.pool.caching or skips_prefix_cache(req):
+            return [], 0
+        hits = self.pool.lookup(req.block_hashes[: (req.num_tokens - 1) // self.block_size])
+        if hits:
+            fired("CACHE.HIT")
         return hits, len(hits) * self.block_size
 
     def allocate_slots(
@@ -391,6 +498,95 @@ class KVCacheManager:
         self.num_cached_block[req.request_id] = max(start, end)
         if self.registered is not None:  # the decision log's optional cache_registered field
             self.registered.setdefault(req.request_id, []).extend(range(start, end))
+
+    def _note_registered(self, req: SequenceLike, start: int, end: int) -> None:
+        self.num_cached_block[req.request_id] = max(self.num_cached_block.get(req.request_id, 0), end)
+        if self.registered is not None and end > start:  # the decision log's optional cache_registered field
+            self.registered.setdefault(req.request_id, []).extend(range(start, end))
+
+    @rule("CACHE.DEDUP_ON_INSERT", knobs=("cache_dedup",))
+    def rebind_duplicate(self, table: list[KVBlock], i: int, cached: KVBlock) -> None:
+        """Under cache_dedup="on-insert", a block whose content is already cached in another
+        block is not cached twice: when the request's blocks enter the cache, entry ``i`` of its
+        table is pointed at the cached block (a reference more) and its own copy is freed at
+        once (it holds nothing another request could hit).
+
+        Two requests that computed the same prefix in one step (neither could hit the other's
+        blocks before they were computed) hold one copy once both are inserted: SGLang's
+        ``checkpoint_into_tree`` frees the slots of the second insert that duplicate tree
+        nodes and rebinds the request's ``req_to_token`` row to the tree's slots.
+        """
+        own = table[i]
+        self.pool.touch([cached])
+        table[i] = cached
+        self.pool.free_blocks([own])
+
+    def cache_blocks_dedup(self, req: SequenceLike, num_tokens: int) -> None:
+        """:meth:`cache_blocks` under CACHE.DEDUP_ON_INSERT: each newly full block whose content the
+        cache map holds in another block is rebound to that one (the earliest), else registered."""
+        if not self.pool.caching:
+            return
+        start = self.num_cached_block.get(req.request_id, 0)
+        table = self.req_blocks[req.request_id]
+        end = min(num_tokens // self.block_size, len(req.block_hashes), len(table))
+        new = []
+        for i in range(start, end):
+            cached = self.pool.cached_block(req.block_hashes[i])
+            if cached is not None and cached is not table[i]:
+                self.rebind_duplicate(table, i, cached)
+            else:
+                self.pool.cache_full_block(table[i], req.block_hashes[i])
+                new.append(i)
+        self.num_cached_block[req.request_id] = max(start, end)
+        if self.registered is not None and new:
+            self.registered.setdefault(req.request_id, []).extend(new)
+
+    def insert_into_tree(self, req: SequenceLike, num_tokens: int) -> None:
+        """CACHE.EVICT_LEAF_LRU's insert: the request's full computed blocks are walked into the
+        radix tree from the root (stamping and splitting nodes, a new leaf for the rest); a
+        position the tree already holds in another block is a duplicate, rebound and freed under
+        CACHE.DEDUP_ON_INSERT, else the request keeps its own uncached copy.  When the insert
+        reaches past the prompt, the prompt is inserted again, which splits the path at the
+        prompt's end and makes the prompt more recent than the outputs (SGLang's
+        checkpoint_into_tree: "so eviction can drop the output KV without the prompt")."""
+        if not self.pool.caching:
+            return
+        table = self.req_blocks[req.request_id]
+        end = min(num_tokens // self.block_size, len(req.block_hashes), len(table))
+        if end <= 0:
+            return
+        dups, first_new = self.pool.tree.insert(req.block_hashes[:end], table[:end])
+        if self.cfg.cache_dedup == "on-insert":
+            for i, cached in dups:
+                self.rebind_duplicate(table, i, cached)
+        for i in range(first_new, end):
+            self.pool.cache_full_block(table[i], req.block_hashes[i])
+        prompt = len(req.prompt_token_ids) // self.block_size
+        if 0 < prompt < end:  # split at the prompt's end: its outputs can go without the prompt
+            self.pool.tree.insert(req.block_hashes[:prompt], table[:prompt])
+        self._note_registered(req, first_new, end)
+
+    @rule("KV.BATCH_ALLOCATION", knobs=("cache_eviction", "batching"))
+    def take_deferred(self) -> None:
+        """Under cache_eviction="leaf-lru" with prefill-first batching, the new blocks of a
+        prefill batch (its continued chunk and its admissions) are taken only once the batch is
+        formed, in batch order, each table entry as it was promised: leaves are evicted for
+        them (CACHE.EVICT_LEAF_LRU) after every candidate of the round was looked up, so a
+        candidate's lookup (which makes its prefix the most recently used) happens before any
+        eviction of the step.  Admission counted the blocks as taken meanwhile.
+
+        SGLang's PrefillAdder only matches and locks; ``prepare_for_extend`` allocates the whole
+        batch's ``extend`` tokens at once (``alloc_for_extend``), evicting then.
+        """
+        pool = self.pool
+        owed, pool.owed, pool.deferring = pool.owed, [], False
+        if not owed:
+            return
+        order = {id(b): i for i, b in enumerate(owed)}
+        spots = sorted((order[id(b)], j, rid) for rid, table in self.req_blocks.items()
+                       for j, b in enumerate(table) if isinstance(b, OwedBlock))
+        for _, j, rid in spots:
+            self.req_blocks[rid][j] = pool.get_new_blocks(1)[0]
 
     def take_registered(self) -> dict[str, list[int]]:
         """The registrations since the last call (for the step record), and start afresh."""

@@ -400,6 +400,35 @@ def fewest_outputs_victim(running: list[Request]) -> Request:
     return min(reversed(running), key=lambda r: (len(r.output_token_ids), -len(r.prompt_token_ids)))
 
 
+@rule("CACHE.REGISTER_PREFILL_AND_FINISH", knobs=("cache_register",))
+def prefilled(req: Request, s: ScheduledRequest, resumed: set[str]) -> bool:
+    """Under cache_register="prefill-and-finish", a request's computed blocks enter the prefix
+    cache after a step in which it computed prompt tokens (a new or resumed request, or a
+    chunk), and when it finishes (before its blocks are freed); a decode step that does not
+    finish it registers nothing.  Samplers register in batch order, after their output; a cut
+    prefill (no output) after all of them.
+
+    SGLang inserts a request into its radix tree after each extend batch (checkpoint_kv_cache,
+    the chunked request when the next step begins) and in release_kv_cache at finish; decoded
+    tokens stay private to the request until then, so a retracted request frees them.
+    """
+    return s.request_id in resumed or not req.output_token_ids or s.start < req.num_tokens - 1
+
+
+@rule("CACHE.EVICT_ON_RETRACT", knobs=("cache_eviction", "admission", "retract_decode_steps"))
+def retract_eviction_target(remaining: list[Request], cfg: SchedulerConfig) -> int:
+    """Under cache_eviction="leaf-lru" with admission="estimate", a retraction evicts eagerly:
+    first every unlocked leaf (the decode that could not fit had tried to evict all it could),
+    then, once the victim is freed, leaves until ``len(remaining running) x
+    retract_decode_steps`` tokens' blocks are free of cached content.  Returns that many blocks.
+
+    SGLang's check_decode_mem evicts before it gives up, and release_req evicts for the
+    remaining requests' next retract_decode_steps decodes at once ("use the newly evictable
+    memory instantly"), so the victim's own cached prompt is often evicted with it.
+    """
+    return cdiv(len(remaining) * cfg.retract_decode_steps, cfg.block_size)
+
+
 @rule("RETRACT.BATCH_ORDER", knobs=("admission",))
 def retraction_order(running: list[Request]) -> list[Request]:
     """Under admission="estimate", a step whose running phase retracted requests leaves the running
@@ -1006,6 +1035,12 @@ class SpecEngine:
         self.after_schedule = [self._add_placeholders] if asynchronous else []
         self.on_preempt = [async_sched.zero_placeholders] if asynchronous else []
         self._compose_speculative(plan)
+        if self.config.cache_register == "prefill-and-finish":  # CACHE.REGISTER_PREFILL_AND_FINISH
+            self.on_computed, self._prefilled = [self._note_prefills], set()
+            self.verify_drafts.append(self._register_at_output)
+            self.after_outputs.append(self._register_cut_prefills)
+        if self.config.cache_eviction == "leaf-lru" and plan.requeue == "RETRACT.TO_TAIL":
+            self.free_victim = self._retract_evicting  # CACHE.EVICT_ON_RETRACT
         #: record fields only some configurations have
         self.record_extras = ([self._record_cpu_pool] if plan.preempt == "SWAP.OUT" else []) + \
             ([self._record_ratio] if estimate else [])
@@ -1330,6 +1365,18 @@ class SpecEngine:
         if len(self.waiting):
             st.out.reasons.append(reason("ESTIMATE.HOLD_UNTIL_DEPARTURE", self.waiting.peek().request_id,
                                          "the head was refused; waits until a running request leaves"))
+
+    @phase("defer_prefill_blocks")
+    def _phase_defer_prefill_blocks(self, st: StepState) -> None:
+        """SGLang, under cache_eviction="leaf-lru": the blocks of this step's prefill batch are
+        taken once the batch is formed (KV.BATCH_ALLOCATION), so allocations are deferred."""
+        self.kv.pool.deferring = True
+
+    @phase("take_prefill_blocks")
+    def _phase_take_prefill_blocks(self, st: StepState) -> None:
+        """SGLang, under cache_eviction="leaf-lru": the prefill batch's blocks are taken, in batch
+        order, after every candidate was looked up (KV.BATCH_ALLOCATION)."""
+        self.kv.take_deferred()
 
     @phase("charge_vtc")
     def _phase_charge_vtc(self, st: StepState) -> None:
@@ -1877,6 +1924,31 @@ class SpecEngine:
         outputs this record applies)."""
         record.drafts = {s.request_id: s.drafts for s in out.scheduled if s.drafts}
         record.accepted, self._accepted = self._accepted, {}
+
+    def _note_prefills(self, out: SchedulerOutput) -> None:
+        """CACHE.REGISTER_PREFILL_AND_FINISH: which requests of the batch computed prompt tokens."""
+        resumed = set(out.resumed)
+        self._prefilled = {s.request_id for s in out.scheduled if prefilled(self.requests[s.request_id], s, resumed)}
+
+    def _register_at_output(self, req: Request, s: ScheduledRequest, why: str | None) -> str | None:
+        """CACHE.REGISTER_PREFILL_AND_FINISH: a sampler's blocks enter the cache after its output,
+        before it is freed when it finishes, if it prefilled in this step or finishes."""
+        if why is not None or s.request_id in self._prefilled:
+            self.kv.register_computed(req)
+        return why
+
+    def _register_cut_prefills(self, out: SchedulerOutput) -> None:
+        """CACHE.REGISTER_PREFILL_AND_FINISH: a cut prefill's blocks enter the cache after the
+        batch's samplers' (SGLang stashes its chunked request when the next step begins)."""
+        for s in out.scheduled:
+            if not s.samples:
+                self.kv.register_computed(self.requests[s.request_id])
+
+    def _retract_evicting(self, req: Request, out: SchedulerOutput) -> None:
+        """CACHE.EVICT_ON_RETRACT (rule in :func:`retract_eviction_target`)."""
+        self.kv.pool.evict_all()
+        self._preempt_by_recompute(req, out)
+        self.kv.pool.make_room(retract_eviction_target(self.running, self.config))
 
     def _register_computed(self, out: SchedulerOutput) -> None:
         for s in out.scheduled:

@@ -54,7 +54,9 @@ MUST_FIRE = {
     "sglang": ("ESTIMATE.ADMIT", "ESTIMATE.RATIO", "RETRACT.VICTIM_FEWEST_OUTPUTS", "RETRACT.TO_TAIL",
                "RUN.CONTINUE_PREFILL_FIRST", "ESTIMATE.CONTINUED_CHUNK", "ESTIMATE.RUNNING_RATIO",
                "ARRIVE.CLIP_MAX_TOKENS", "REJECT.INPUT_LIMIT", "STOP.IGNORE_EOS_SCOPE", "ABORT.AFTER_NEXT_SAMPLE",
-               "CACHE.REGISTER_WHEN_COMPUTED", "ESTIMATE.HOLD_UNTIL_DEPARTURE", "ESTIMATE.OWN_HIT_LOCKED"),
+               "CACHE.REGISTER_WHEN_COMPUTED", "ESTIMATE.HOLD_UNTIL_DEPARTURE", "ESTIMATE.OWN_HIT_LOCKED",
+               "CACHE.REGISTER_PREFILL_AND_FINISH", "CACHE.EVICT_LEAF_LRU", "KV.BATCH_ALLOCATION",
+               "CACHE.EVICT_ON_RETRACT", "CACHE.DEDUP_ON_INSERT", "KV.FREE_TO_RELEASE"),
     "nano-vllm": ("RUN.CONTINUE_PREFILL_FIRST", "ADMIT.CHUNK_ONLY_FIRST", "ADMIT.RESERVE_SEQUENCE", "KV.FREE_TO_TAIL",
                   "CACHE.REGISTER_WHEN_COMPUTED", "CACHE.LATEST_WINS", "BATCH.MAX_NUM_SEQS_PER_STEP",
                   "PREEMPT.VICTIM_NEWEST"),
@@ -132,6 +134,15 @@ def test_mixed_knobs_agree():
             knobs["admission_hold"] = sgl.choice(("off", "until-departure"))
             knobs["ignore_eos_admission"] = sgl.choice(("estimate", "reserve"))
         knobs["no_chunking_cap"] = sgl.choice(("inclusive", "exclusive"))
+        # SGLang's radix cache (#8, #13): whole-leaf eviction needs the tree's one copy per block
+        radix = random.Random(f"radix knobs {seed}")
+        knobs["cache_register"] = radix.choice((knobs["cache_register"], "prefill-and-finish"))
+        if knobs["cache_duplicates"] == "first":
+            knobs["cache_dedup"] = radix.choice(("off", "on-insert"))
+            if knobs["cache_dedup"] == "on-insert" and knobs["free_block_order"] == "cached-last":
+                knobs["cache_eviction"] = radix.choice(("block-lru", "leaf-lru"))
+                if knobs["cache_eviction"] == "leaf-lru" and knobs["cache_register"] == "allocation":
+                    knobs["cache_register"] = radix.choice(("computed", "prefill-and-finish"))
         trace = random_trace(seed, max_steps=MAX_STEPS, **knobs)
         result = replay(trace, "gpu", "exact")
         assert result.agreed, f"seed {seed} {knobs}: {result.divergence.describe()}"

@@ -208,6 +208,99 @@ def test_no_chunking_cap_exclusive_is_tested_after_the_estimate():
     assert "ESTIMATE.HOLD_UNTIL_DEPARTURE" not in rules_for(recs[2], "D")
 
 
+# -- the radix cache (#8 CACHE.EVICT_LEAF_LRU, #13 CACHE.DEDUP_ON_INSERT) ------------------------
+
+#: the scenarios' pool with SGLang's radix cache on (scenario_helpers turns caching off by default)
+SGC = {**SG, "enable_prefix_caching": True}
+
+
+def _prompt(base: int, n: int) -> list[int]:
+    return list(range(base, base + n))
+
+
+def test_dedup_frees_the_second_copy_of_a_prefix_computed_in_the_same_step():
+    """r0 and r1 compute the same 16-token prefix in step 0 (neither can hit the other's blocks);
+    when r1's blocks enter the cache its 16 duplicates are freed and its table points at r0's."""
+    p = _prompt(100, 16)
+    reqs = (R("r0", p + [500, 501, 502, 503], 3), R("r1", p + [600, 601, 602, 603], 3))
+    cfg = {**SGC, "num_blocks": 101}  # 100 usable slots
+    rec = steps(cfg, *reqs)[0]
+    assert rec.num_free_blocks == 100 - 40 + 16
+    assert rec.block_ids["r1"][:16] == rec.block_ids["r0"][:16]
+    assert set(rec.block_ids["r1"][16:]).isdisjoint(rec.block_ids["r0"])
+    # cache_dedup=off (with vLLM's block-level eviction): both copies stay
+    rec = steps({**cfg, "cache_eviction": "block-lru", "cache_dedup": "off"}, *reqs)[0]
+    assert rec.num_free_blocks == 100 - 40
+    assert set(rec.block_ids["r1"]).isdisjoint(rec.block_ids["r0"])
+
+
+def test_leaf_lru_evicts_a_whole_leaf_and_the_outputs_before_the_prompt():
+    """A (10-token prompt, 6 outputs) finishes at step 5 and caches its 15 computed tokens as two
+    nodes, the prompt more recent than the outputs.  B needs 8 slots with 5 free of content:
+    the whole 5-token output leaf goes (not the 3 slots missing), A's prompt stays for C's hit."""
+    pa = _prompt(100, 10)
+    cfg = {**SGC, "num_blocks": 21, "max_model_len": 64}  # 20 usable slots
+    reqs = (R("A", pa, 6), R("B", _prompt(300, 8), 1, at=6), R("C", pa + [999], 1, at=7))
+    recs = steps(cfg, *reqs)
+    assert recs[5].finished == [("A", "max_tokens")] and recs[5].num_free_blocks == 20
+    outputs = recs[4].block_ids["A"][10:]  # A's table before its last decode: 10 prompt + 4 output slots
+    assert recs[6].new == ["B"] and recs[6].num_evicted == 5
+    assert recs[6].evicted[:4] == outputs  # A's output leaf, root side first
+    assert recs[7].cache_hits == {"C": 10}
+    # vLLM's block-level LRU evicts just the 3 blocks B lacks
+    block = steps({**cfg, "cache_eviction": "block-lru", "cache_dedup": "off"}, *reqs)
+    assert block[6].num_evicted == 3
+
+
+def test_a_prefill_batch_takes_its_blocks_after_every_lookup():
+    """X, Y and W cache a 10-token prompt each at step 0 (X least recently used).  At step 1 C (20
+    tokens) and D (X's prompt + 5) are admitted together; they need 25 slots, 15 are free of
+    content.  D's lookup came first (KV.BATCH_ALLOCATION), so X is D's hit, locked, and the
+    eviction takes Y, the next least recently used leaf."""
+    px, py, pw = _prompt(100, 10), _prompt(200, 10), _prompt(300, 10)
+    cfg = {**SGC, "num_blocks": 46, "max_model_len": 64}  # 45 usable slots
+    recs = steps(cfg, R("X", px, 1), R("Y", py, 1), R("W", pw, 1),
+                 R("C", _prompt(400, 20), 1, at=1), R("D", px + _prompt(500, 5), 1, at=1))
+    # a fresh pool hands out slots 1, 2, ... in order (KV.FREE_TO_RELEASE): X 1-10, Y 11-20, W 21-30
+    assert recs[1].new == ["C", "D"] and recs[1].cache_hits == {"C": 0, "D": 10}
+    assert recs[1].hit_blocks == {"D": list(range(1, 11))}
+    assert recs[1].num_evicted == 10 and recs[1].evicted == list(range(11, 21))
+
+
+def test_retraction_evicts_the_victims_cached_prompt_at_once():
+    """The leaf-eviction corpus trace, worked by hand: at step 20 three 1-slot decodes find 1 slot
+    free; C (fewest outputs, then the latest) is retracted, and SGLang's release_req evicts for
+    the 2 remaining requests' next retract_decode_steps = 20 decodes at once: C's cached 4-token
+    prompt leaf goes although C's freed decode slots cover the step (CACHE.EVICT_ON_RETRACT)."""
+    cfg = {"profile": "sglang", "num_blocks": 61, "max_model_len": 128, "new_token_ratio_decay_steps": 1,
+           "block_size": 1, "max_num_batched_tokens": 16384, "max_num_seqs": 1024, "enable_prefix_caching": True}
+    recs = steps(cfg, R("A", 4, 40), R("B", 4, 40, at=3), R("C", 4, 30, at=4))
+    assert recs[20].preempted == ["C"]
+    assert recs[20].num_evicted == 4 and recs[20].evicted == recs[19].block_ids["C"][:4]
+
+
+def test_register_prefill_and_finish_keeps_decoded_tokens_private_until_the_finish():
+    """A's prompt enters the cache after its prefill, its decoded tokens only when it finishes: B
+    (A's prompt, A's first two outputs and one more token) hits the 8 prompt tokens while A still
+    decodes; under cache_register=computed it hits the outputs too (10)."""
+    pa, outs = _prompt(100, 8), (700, 701, 702, 703, 704, 705)
+    cfg = {**SGC, "num_blocks": 201, "max_model_len": 64}
+    reqs = (R("A", pa, 6, output_tokens=outs), R("B", pa + [700, 701, 999], 1, at=4))
+    assert steps(cfg, *reqs)[4].cache_hits == {"B": 8}
+    assert steps({**cfg, "cache_register": "computed"}, *reqs)[4].cache_hits == {"B": 10}
+
+
+def test_leaf_lru_needs_one_copy_per_block_and_computed_blocks():
+    with pytest.raises(ConfigError, match="cache_dedup"):
+        resolve({"profile": "sglang", "cache_dedup": "off"})
+    with pytest.raises(ConfigError, match="cache_register"):
+        resolve({"profile": "sglang", "cache_register": "allocation"})
+    with pytest.raises(ConfigError, match="free_block_order"):
+        resolve({"profile": "sglang", "free_block_order": "tail"})
+    with pytest.raises(ConfigError, match="cache_duplicates"):
+        resolve({"profile": "vllm-v1", "cache_dedup": "on-insert", "cache_duplicates": "latest"})
+
+
 def test_abort_of_a_cut_prefill_frees_it_at_once():
     """Budget 8: A (20 tokens) is cut after 8 at step 0 and aborted at step 1, before its next
     chunk: SGLang frees its in-flight chunked request at the top of the step
