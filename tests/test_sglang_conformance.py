@@ -24,7 +24,10 @@ AGREE = ROOT / "tests" / "corpus" / "sglang" / "agree"
 
 #: Minimal trace per documented difference (docs/conformance.md, SGLang section), with SGLang's
 #: recorded log: the level compared, and the step and field of the first divergence.
-DIFFERENCE_TRACES: dict[str, tuple[str, int, str]] = {}  # (none open: #8 and #13 agree since the radix-cache knobs)
+DIFFERENCE_TRACES: dict[str, tuple[str, int, str]] = {  # (#8 and #13 agree since the radix-cache knobs)
+    "decode-budget": ("decisions", 2, "scheduled"),  # deliberate: max_num_batched_tokens bounds decode steps too
+    "ignore-eos-over-budget": ("decisions", 0, "scheduled"),  # deliberate: the input cap holds for ignore_eos too
+}
 
 #: Minimal traces of fixed differences, with SGLang's recorded log: the sglang profile now agrees
 #: with the log on every field of this level (docs/conformance.md, SGLang section).
