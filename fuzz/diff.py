@@ -325,8 +325,9 @@ def cache_rule(spec: StepRecord, engine: StepRecord | None, history: list[StepRe
     odd = sorted((ours - theirs) + (theirs - ours))
     before = (history[-1].block_ids if history else None) or {}
     finished = {r for r, _ in spec.finished}
+    order = {**{r: 2 for r in finished}, **{r: 1 for r in spec.preempted}, **{r: 0 for r in spec.aborted}}
     for block in odd:
-        for rid in (r for r, ids in before.items() if block in ids):
+        for rid in sorted((r for r, ids in before.items() if block in ids), key=lambda r: order.get(r, 3)):
             if rid in spec.preempted:
                 rule = _preempt_rule(spec, rid)
                 return rule, rid, f"block {block}'s cache entry: {rid} released it when preempted ({rule}), cached until popped"
@@ -351,9 +352,12 @@ def ref_rule(spec: StepRecord, engine: StepRecord | None, history: list[StepReco
     now = spec.block_ids or {}
     hits = spec.hit_blocks or {}
     finished = {r for r, _ in spec.finished}
+    # a step's releases in the order they happen: aborts before scheduling, preemptions in it,
+    # finishes after the model step — the earliest release of a block is blamed first
+    order = {**{r: 2 for r in finished}, **{r: 1 for r in spec.preempted}, **{r: 0 for r in spec.aborted}}
     for key in odd:
         block, extra = int(key), theirs.get(key, 0) > ours.get(key, 0)
-        for rid in (r for r, ids in before.items() if block in ids):
+        for rid in sorted((r for r, ids in before.items() if block in ids), key=lambda r: order.get(r, 3)):
             if extra and any(str(b) not in odd for b in before[rid] if b != block):
                 continue  # its release dropped its other blocks' references: this one's extra came from elsewhere
             if rid in spec.preempted:

@@ -368,3 +368,17 @@ def test_a_batch_cut_short_before_a_running_request_names_the_token_rule():
     admitted = [StepRecord(3, scheduled=[("A", 3), ("B", 1)], new=["B"], reasons=[reason("ADMIT.NEW", "B")])]
     assert first_divergence(admitted, [StepRecord(3, scheduled=[("A", 3)])], "decisions").rule == "ADMIT.NEW", \
         "an admission is decided by its own rules"
+
+
+def test_a_block_released_twice_in_one_step_blames_the_earlier_release():
+    """A and B share block 1; in one step A is preempted and B finishes, and the engine's count
+    ends below zero: the preemption (during scheduling) released it before the finish (after the
+    model step), so it is named, whichever request the record lists first."""
+    from fuzz.diff import first_divergence
+
+    before = _exact(0, scheduled=[("B", 4), ("A", 4)], new=["B", "A"], block_ids={"B": [1, 2], "A": [1, 3]},
+                    blocks={"A": 2, "B": 2}, ref_counts={"1": 2, "2": 1, "3": 1})
+    spec = [before, _exact(1, scheduled=[("B", 1)], preempted=["A"], finished=[("B", "eos")], ref_counts={},
+                           reasons=[reason("PREEMPT.VICTIM_NEWEST", "A")])]
+    eng = [before, _exact(1, scheduled=[("B", 1)], preempted=["A"], finished=[("B", "eos")], ref_counts={"1": -1})]
+    assert first_divergence(spec, eng, "exact").rule == "PREEMPT.RECOMPUTE"
