@@ -1642,8 +1642,9 @@ class Scheduler:
 
     def _settle_inserting(self, batch: Batch, smp: Array, ntok: Array, fin_mask, code, pending) -> list:
         """CACHE.REGISTER_PREFILL_AND_FINISH after the outputs: each sampler in batch order registers
-        its computed blocks if it prefilled in this step (a resumed or new request, or a chunk) or
-        finished, and a finished one is then freed; the cut prefills register after them."""
+        its computed blocks if it prefilled in this step (a resumed or new request, or a chunk),
+        finished, or is freed after this sample (an abort); a finished one is then freed (an
+        aborted one by :meth:`_free_abort_pending`); the cut prefills register after them."""
         if self.caching:  # hash the blocks the new tokens filled (a finished request's last one never)
             full = ntok % self.bs == 0
             if fin_mask is not None:
@@ -1663,7 +1664,7 @@ class Scheduler:
                 continue
             outs = int(self.num_output_tokens[s]) - 1  # (before this step's token)
             done = fin.get(s, False)
-            if done or self.ids[s] in resumed or outs == 0 or st < nt - 2:
+            if done or s in self.abort_pending or self.ids[s] in resumed or outs == 0 or st < nt - 2:
                 self._cache_blocks(self.be.asarray([s]), self.be.asarray([int(self.num_computed_tokens[s])]))
             if done:
                 self._free_tables(self.be.asarray([s]))

@@ -404,13 +404,14 @@ def fewest_outputs_victim(running: list[Request]) -> Request:
 def prefilled(req: Request, s: ScheduledRequest, resumed: set[str]) -> bool:
     """Under cache_register="prefill-and-finish", a request's computed blocks enter the prefix
     cache after a step in which it computed prompt tokens (a new or resumed request, or a
-    chunk), and when it finishes (before its blocks are freed); a decode step that does not
-    finish it registers nothing.  Samplers register in batch order, after their output; a cut
+    chunk), and when it finishes or an abort frees it after its next sample (before its blocks
+    are freed); a decode step that does not end it registers nothing.  Samplers register in batch order, after their output; a cut
     prefill (no output) after all of them.
 
     SGLang inserts a request into its radix tree after each extend batch (checkpoint_kv_cache,
-    the chunked request when the next step begins) and in release_kv_cache at finish; decoded
-    tokens stay private to the request until then, so a retracted request frees them.
+    the chunked request when the next step begins) and in release_kv_cache at finish (an abort
+    of a running request is a finish, FINISH_ABORT); decoded tokens stay private to the request
+    until then, so a retracted request frees them.
     """
     return s.request_id in resumed or not req.output_token_ids or s.start < req.num_tokens - 1
 
@@ -1932,8 +1933,9 @@ class SpecEngine:
 
     def _register_at_output(self, req: Request, s: ScheduledRequest, why: str | None) -> str | None:
         """CACHE.REGISTER_PREFILL_AND_FINISH: a sampler's blocks enter the cache after its output,
-        before it is freed when it finishes, if it prefilled in this step or finishes."""
-        if why is not None or s.request_id in self._prefilled:
+        before it is freed when it finishes, if it prefilled in this step, finishes, or is freed
+        after this sample because the client aborted it (ABORT.AFTER_NEXT_SAMPLE)."""
+        if why is not None or req.abort_pending or s.request_id in self._prefilled:
             self.kv.register_computed(req)
         return why
 
