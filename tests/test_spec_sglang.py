@@ -330,3 +330,15 @@ def test_a_retraction_leaves_the_batch_in_retraction_order():
     assert scheduled(recs)[21] == [("A", 1), ("B", 1), ("C", 1)]
     assert recs[22].preempted == ["C"] and scheduled(recs)[22] == [("B", 1), ("A", 1)]
     assert scheduled(recs)[23][:2] == [("B", 1), ("A", 1)]
+
+
+def test_an_aborted_running_request_is_inserted_like_a_finished_one():
+    """A is aborted at step 3, decodes once more and is freed (ABORT.AFTER_NEXT_SAMPLE); SGLang
+    treats it as finished (FINISH_ABORT) and inserts its computed tokens, outputs included, into
+    the radix tree: B (A's prompt, A's first two outputs and one more token) hits 10 tokens at
+    step 5, not only the 8 of A's prompt inserted after its prefill."""
+    pa, outs = _prompt(100, 8), (700, 701, 702, 703, 704, 705)
+    cfg = {**SGC, "num_blocks": 201, "max_model_len": 64}
+    recs = steps(cfg, R("A", pa, 6, output_tokens=outs, abort_at=3), R("B", pa + [700, 701, 999], 1, at=5))
+    assert recs[3].aborted == ["A"]
+    assert recs[5].cache_hits == {"B": 10}
