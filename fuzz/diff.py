@@ -507,8 +507,9 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
     * ``scheduled``, the request on both sides with a different token count: its prefix hit when the
       two sides' hits differ (``CACHE.HIT``), else the token rule (``BUDGET.TOKENS``); a continuing
       request on one side only, where the other side's batch stops just before it: the token rule;
-    * ``resumed``, both sides resuming but not the same requests in the same order: the order
-      preempted requests wait in (``QUEUE.VICTIM_TO_FRONT``);
+    * ``resumed``, both sides resuming but not the same requests in the same order, or the engine
+      resuming a request the spec gives no reason about at this step (never reached: another was
+      ahead of it): the order preempted requests wait in (``QUEUE.VICTIM_TO_FRONT``);
     * any of ``scheduled`` / ``new`` / ``resumed`` in a step whose per-request token cap differs
       (``token_cap``, when both logs carry it): the cap rule (``BUDGET.LONG_PREFILL``), whose
       statement says who is capped and who, alone, is not."""
@@ -527,8 +528,10 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
         if request in list(spec.new) + list(spec.resumed) and hit_b is not None and hit_a != hit_b:
             return "CACHE.HIT"
         return "BUDGET.TOKENS"
-    if name == "resumed" and spec.resumed and engine.resumed and list(spec.resumed) != list(engine.resumed):
-        return "QUEUE.VICTIM_TO_FRONT"
+    if name == "resumed" and list(spec.resumed) != list(engine.resumed):
+        considered = {r.get("request") for r in spec.reasons or ()}
+        if (spec.resumed and engine.resumed) or (request in engine.resumed and request not in considered):
+            return "QUEUE.VICTIM_TO_FRONT"  # (the spec never reached it this step: another victim was ahead)
     return None
 
 

@@ -382,3 +382,23 @@ def test_a_block_released_twice_in_one_step_blames_the_earlier_release():
                            reasons=[reason("PREEMPT.VICTIM_NEWEST", "A")])]
     eng = [before, _exact(1, scheduled=[("B", 1)], preempted=["A"], finished=[("B", "eos")], ref_counts={"1": -1})]
     assert first_divergence(spec, eng, "exact").rule == "PREEMPT.RECOMPUTE"
+
+
+def test_a_victim_resumed_ahead_of_its_turn_names_the_queue_rule():
+    """The engine resumes B while the spec, with A ahead of B, resumes nobody (A does not fit) and
+    gives no reason about B: the order victims wait in (QUEUE.VICTIM_TO_FRONT).  A request the spec
+    did consider keeps the spec's own reason (here: the watermark held it)."""
+    from fuzz.corpus import group_signature
+    from fuzz.replay import ReplayResult
+
+    def named(spec):  # the finding's group, which asks `resumed` before `scheduled`
+        result = ReplayResult(None, "e", "decisions", eng, spec, first_divergence(spec, eng, "decisions"), 0.0, [])
+        return group_signature(result)[1:]
+
+    from fuzz.diff import first_divergence
+
+    spec = [StepRecord(7, scheduled=[("C", 1)], reasons=[reason("RUN.DECODE", "C"), reason("ADMIT.FULL_SEQUENCE", "A")])]
+    eng = [StepRecord(7, scheduled=[("C", 1), ("B", 4)], resumed=["B"])]
+    assert named(spec) == ("resumed", "QUEUE.VICTIM_TO_FRONT")
+    held = [StepRecord(7, scheduled=[("C", 1)], reasons=[reason("RUN.DECODE", "C"), reason("ADMIT.WATERMARK", "B")])]
+    assert named(held) == ("resumed", "ADMIT.WATERMARK")
