@@ -150,6 +150,7 @@ class Scheduler:
         self.dedup = c.cache_dedup == "on-insert"
         self.prefill_finish = c.cache_register == "prefill-and-finish"
         self.owed_pops: list | None = None  # KV.BATCH_ALLOCATION: (slots, need, held, total) to pop
+        self.stash: list[tuple[int, str]] = []  # CACHE.REGISTER_PREFILL_AND_FINISH: cut prefills to register
         if self.leaf_lru:
             self.pool = RadixBlockPool(self.be, c.num_blocks, c.null_block, c.enable_prefix_caching)
         else:
@@ -790,6 +791,11 @@ class Scheduler:
         """
         c = self.config
         self.pool.evicted = []
+        if self.stash:  # CACHE.REGISTER_PREFILL_AND_FINISH: the last step's cut prefills, still running
+            stash, self.stash = self.stash, []
+            for s, rid in stash:
+                if self.ids[s] == rid and int(self.status[s]) == RUNNING:
+                    self._cache_blocks(self.be.asarray([s]), self.be.asarray([int(self.num_computed_tokens[s])]))
         # KV.BATCH_ALLOCATION: a prefill batch's blocks are taken after it is formed (leaf-lru)
         self.owed_pops = [] if self.leaf_lru and c.batching == "prefill-first" else None
         eligible = len(self.running) + self.num_waiting
@@ -1644,7 +1650,8 @@ class Scheduler:
         """CACHE.REGISTER_PREFILL_AND_FINISH after the outputs: each sampler in batch order registers
         its computed blocks if it prefilled in this step (a resumed or new request, or a chunk),
         finished, or is freed after this sample (an abort); a finished one is then freed (an
-        aborted one by :meth:`_free_abort_pending`); the cut prefills register after them."""
+        aborted one by :meth:`_free_abort_pending`); the cut prefills register when the next step
+        begins (``stash``, :meth:`schedule`)."""
         if self.caching:  # hash the blocks the new tokens filled (a finished request's last one never)
             full = ntok % self.bs == 0
             if fin_mask is not None:
@@ -1672,11 +1679,8 @@ class Scheduler:
                 self._release(s)
         if out:
             self.running = self.running[self.status[self.running] == RUNNING]
-        out = self._free_abort_pending(smp, pending, out)
-        for s, sm in zip(slots, samples):
-            if not sm:
-                self._cache_blocks(self.be.asarray([s]), self.be.asarray([int(self.num_computed_tokens[s])]))
-        return out
+        self.stash = [(s, self.ids[s]) for s, sm in zip(slots, samples) if not sm]
+        return self._free_abort_pending(smp, pending, out)
 
     def _update_verified(self, batch: Batch, tokens: Array, eos_token_id: int) -> list[tuple[str, str]]:
         """:meth:`update` with speculative decoding, one sampling request at a time in batch

@@ -405,8 +405,8 @@ def prefilled(req: Request, s: ScheduledRequest, resumed: set[str]) -> bool:
     """Under cache_register="prefill-and-finish", a request's computed blocks enter the prefix
     cache after a step in which it computed prompt tokens (a new or resumed request, or a
     chunk), and when it finishes or an abort frees it after its next sample (before its blocks
-    are freed); a decode step that does not end it registers nothing.  Samplers register in batch order, after their output; a cut
-    prefill (no output) after all of them.
+    are freed); a decode step that does not end it registers nothing.  Samplers register in
+    batch order, after their output; a prefill the step cut (no output) when the next step begins.
 
     SGLang inserts a request into its radix tree after each extend batch (checkpoint_kv_cache,
     the chunked request when the next step begins) and in release_kv_cache at finish (an abort
@@ -1037,9 +1037,9 @@ class SpecEngine:
         self.on_preempt = [async_sched.zero_placeholders] if asynchronous else []
         self._compose_speculative(plan)
         if self.config.cache_register == "prefill-and-finish":  # CACHE.REGISTER_PREFILL_AND_FINISH
-            self.on_computed, self._prefilled = [self._note_prefills], set()
+            self.on_computed, self._prefilled, self._cut = [self._note_prefills], set(), []
             self.verify_drafts.append(self._register_at_output)
-            self.after_outputs.append(self._register_cut_prefills)
+            self.after_outputs.append(self._note_cut_prefills)
         if self.config.cache_eviction == "leaf-lru" and plan.requeue == "RETRACT.TO_TAIL":
             self.free_victim = self._retract_evicting  # CACHE.EVICT_ON_RETRACT
         #: record fields only some configurations have
@@ -1366,6 +1366,17 @@ class SpecEngine:
         if len(self.waiting):
             st.out.reasons.append(reason("ESTIMATE.HOLD_UNTIL_DEPARTURE", self.waiting.peek().request_id,
                                          "the head was refused; waits until a running request leaves"))
+
+    @phase("stash_cut_prefills")
+    def _phase_stash_cut_prefills(self, st: StepState) -> None:
+        """SGLang, under cache_register="prefill-and-finish": a prefill the last step cut enters the
+        prefix cache as this step begins, before anything is looked up or allocated, unless an
+        abort freed it meanwhile (CACHE.REGISTER_PREFILL_AND_FINISH; SGLang's stash_chunked_request)."""
+        cut, self._cut = self._cut, []
+        for rid in cut:
+            req = self.requests.get(rid)
+            if req is not None and req.status == Status.RUNNING:
+                self.kv.register_computed(req)
 
     @phase("defer_prefill_blocks")
     def _phase_defer_prefill_blocks(self, st: StepState) -> None:
@@ -1939,12 +1950,10 @@ class SpecEngine:
             self.kv.register_computed(req)
         return why
 
-    def _register_cut_prefills(self, out: SchedulerOutput) -> None:
-        """CACHE.REGISTER_PREFILL_AND_FINISH: a cut prefill's blocks enter the cache after the
-        batch's samplers' (SGLang stashes its chunked request when the next step begins)."""
-        for s in out.scheduled:
-            if not s.samples:
-                self.kv.register_computed(self.requests[s.request_id])
+    def _note_cut_prefills(self, out: SchedulerOutput) -> None:
+        """CACHE.REGISTER_PREFILL_AND_FINISH: the prefills this step cut, registered when the next
+        step begins (phase stash_cut_prefills)."""
+        self._cut = [s.request_id for s in out.scheduled if not s.samples]
 
     def _retract_evicting(self, req: Request, out: SchedulerOutput) -> None:
         """CACHE.EVICT_ON_RETRACT (rule in :func:`retract_eviction_target`)."""
