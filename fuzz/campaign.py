@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -87,6 +88,9 @@ STEERING: dict[str, dict[str, Any]] = {
     # a low, fast-decaying estimate admits more than memory holds: a decode must retract
     "RETRACT.": {"admission": "estimate", "tight_memory": True, "new_token_ratio_init": 0.2,
                  "new_token_ratio_decay_steps": 4},
+    # SGLang's eager eviction needs both: a retraction, and cached leaves to evict
+    "CACHE.EVICT_ON_RETRACT": {"admission": "estimate", "tight_memory": True, "new_token_ratio_init": 0.2,
+                               "new_token_ratio_decay_steps": 4, "prefix_groups": True},
 }
 
 MAX_STEPS = 3000  # random traces finish in a few hundred steps
@@ -141,10 +145,53 @@ def steer(uncovered: list[str], index: int, profile: str | None = None) -> dict[
     the profile fixes (a campaign against ``tgi`` stays a campaign against ``tgi``)."""
     fixed = profile_knobs(profile) if profile else {}
     targets = [opts for prefix, opts in STEERING.items() if any(r.startswith(prefix) for r in uncovered)]
+    targets += [opts for opts in rule_targets(uncovered) if opts not in targets]
     if fixed:  # steering options that would change the profile are dropped
         targets = [o for o in ({k: v for k, v in t.items() if k not in fixed} for t in targets) if o]
     out = {} if not targets or index % 2 == 0 else dict(targets[(index // 2) % len(targets)])
     return {"profile": profile, **out} if profile else out
+
+
+def rule_targets(uncovered: list[str]) -> list[dict[str, Any]]:
+    """Steering towards single uncovered rules whose knobs are known (:data:`fuzz.capabilities.RULE_NEEDS`),
+    one target per rule (:func:`rule_target`).  A family's options alone miss a rule that needs a knob
+    value no family sets (SGLang's ``ignore_eos_admission=reserve`` without prefix caching); a rule new to
+    the map is steered towards without a :data:`STEERING` entry of its own."""
+    out: list[dict[str, Any]] = []
+    for rule in uncovered:
+        opts = rule_target(rule)
+        if opts is not None and opts not in out:
+            out.append(dict(opts))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def rule_target(rule: str) -> dict[str, Any] | None:
+    """Generator options for ``rule``: the options of every family it belongs to (more specific
+    prefixes win) and the knob values it fires with, alone when the spec accepts that combination,
+    else over the knobs of the first profile (by name) with which it does — a knob value that only
+    makes sense inside one engine's configuration (``prefill_chunking=first-continues`` needs
+    prefill-first batching) is steered towards inside it.  None when the rule's needs are not plain
+    knob values."""
+    from fuzz.capabilities import RULE_NEEDS
+    from spec.config import ConfigError
+
+    needs = {k: v[0] for k, v in RULE_NEEDS.get(rule, {}).items() if isinstance(v, tuple) and k != "request_features"}
+    if not needs:
+        return None
+    family: dict[str, Any] = {}
+    for prefix in sorted((p for p in STEERING if rule.startswith(p)), key=len):
+        family.update(STEERING[prefix])
+    for base in [{}] + [profile_knobs(name) for name in sorted(PROFILES)]:
+        opts = {**base, **family, **needs}
+        try:
+            cfg = random_trace(0, **opts).config
+            resolve(cfg)
+        except (ConfigError, TypeError, ValueError):
+            continue
+        if all(cfg.get(k) == v for k, v in needs.items()):
+            return opts
+    return None
 
 
 @dataclass

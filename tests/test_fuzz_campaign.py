@@ -115,6 +115,28 @@ def test_every_steering_option_yields_a_valid_trace():
             resolve(random_trace(seed, **options).config)  # raises ConfigError on a bad combination
 
 
+def test_a_rule_with_known_knobs_is_steered_towards_its_knob_values_and_the_trace_is_valid():
+    from fuzz.campaign import rule_targets, steer
+    from fuzz.capabilities import RULE_NEEDS
+    from fuzz.generate import random_trace
+    from spec.config import resolve
+
+    for rule, needs in RULE_NEEDS.items():
+        wanted = {k: v for k, v in needs.items() if isinstance(v, tuple) and k != "request_features"}
+        if not wanted:
+            continue
+        [opts] = rule_targets([rule])
+        assert all(opts[k] in v for k, v in wanted.items()), rule
+        assert opts in [steer([rule], i) for i in range(1, 8, 2)], rule
+        for seed in range(5):
+            cfg = random_trace(seed, **opts).config
+            resolve(cfg)  # raises ConfigError on a bad combination
+            assert all(cfg[k] == opts[k] for k in wanted), (rule, seed)
+    # the family's options come with it: the no-chunking cap keeps the no-chunking family's small budget
+    [exclusive] = rule_targets(["ADMIT.NO_CHUNKING_EXCLUSIVE"])
+    assert exclusive["max_num_batched_tokens"] == 64 and exclusive["no_chunking_cap"] == "exclusive"
+
+
 def test_profile_all_spreads_a_campaign_over_the_whole_map():
     from fuzz.campaign import ALL_PROFILES, trace_profile
     from spec.config import PROFILES
