@@ -166,6 +166,10 @@ class BlockPool:
 
         Until then it stays hit-able in the free queue (vLLM's lazy LRU eviction).
         """
+        self._uncache(b)
+
+    def _uncache(self, b: KVBlock) -> None:
+        """Drop ``b``'s entry from the cache map and log it as evicted."""
         same = self.cached[b.block_hash]
         del same[b.block_id]
         if not same:
@@ -317,12 +321,7 @@ class RadixPool(BlockPool):
 
     def _evict_leaf_block(self, b: KVBlock) -> None:
         """Drop ``b``'s cached content (out of the cache map, logged as evicted); it is clean now."""
-        same = self.cached[b.block_hash]
-        del same[b.block_id]
-        if not same:
-            del self.cached[b.block_hash]
-        b.block_hash = None
-        self.evicted.append(b.block_id)
+        self._uncache(b)
         self.clean.append_n([b])
 
     def evict_all(self) -> None:
