@@ -903,6 +903,26 @@ class LogChecker:
             self._check_hit_blocks(rec)
         if rec.cache_registered is not None:
             self._check_registered(rec, set(throughout))
+        if rec.ref_counts is not None and rec.block_ids is not None:
+            self._check_ref_counts(rec)
+        if rec.cached_blocks is not None:
+            entries = list(rec.cached_blocks)
+            twice = sorted({b for b in entries if entries.count(b) > 1})
+            if twice or entries != sorted(entries):
+                self.flag("LOG.STATE_CONSISTENT", s, None, f"cached_blocks: block(s) {twice[:4]} in two cache entries "
+                          "(a block holds one hash), or the list is not sorted", "cached_blocks")
+
+    def _check_ref_counts(self, rec: StepRecord) -> None:
+        """Each block's reference count is the number of running requests whose table holds it."""
+        holders: dict[str, int] = {}
+        for ids in rec.block_ids.values():
+            for b in ids:
+                holders[str(b)] = holders.get(str(b), 0) + 1
+        for key in sorted(set(rec.ref_counts) | set(holders), key=lambda k: (len(k), k)):
+            n, m = rec.ref_counts.get(key, 0), holders.get(key, 0)
+            if n != m:
+                self.flag("LOG.STATE_CONSISTENT", rec.step, None, f"block {key}: {n} references, held by {m} running "
+                          "request(s)", "ref_counts")
 
     def _check_hit_blocks(self, rec: StepRecord) -> None:
         s, bs = rec.step, self.cfg.block_size
