@@ -113,9 +113,11 @@ LOG_STATEMENTS: dict[str, str] = {
         "entry may be rebound to the cached copy another request holds); such blocks are never evicted."),
     "LOG.STATE_CONSISTENT": (
         "The optional state fields agree with the decisions: computed names the running requests with "
-        "the tokens their chunks add up to; VTC counters never decrease; hit_blocks are the first blocks of "
+        "the tokens their chunks add up to (and may name those waiting after a preemption, with 0, or "
+        "swapped out, with their tokens); VTC counters never decrease; hit_blocks are the first blocks of "
         "the table, one per hit block; a request registers each block once per admission, only blocks "
-        "full of computed tokens."),
+        "full of computed tokens; ref_counts gives each block its number of running holders; "
+        "cached_blocks is sorted, a block in one cache entry at most."),
     "CACHE.HITS_CONSISTENT": (
         "cache_hits names exactly the requests admitted from the waiting queue in the step, each hit "
         "a whole number of blocks (0 without prefix caching); blocks are evicted only with prefix caching, "
