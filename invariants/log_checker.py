@@ -151,6 +151,8 @@ class _Req:
     abort_pending: bool = False  # aborted while running, freed after its next sample (ABORT.AFTER_NEXT_SAMPLE)
     peak: int = 0  # speculative decoding: the most tokens computed since admission (rolled-back drafts keep their slots)
     registrable: int | None = None  # speculative decoding: tokens known when it last allocated (SPEC.CACHE_VERIFIED)
+    cached_upto: int | None = None  # cache_register=prefill-and-finish: tokens its last prefill cached
+    cut_pending: int | None = None  # cache_register=prefill-and-finish: a cut prefill's tokens, cached next step
 
 
 @dataclass
@@ -197,6 +199,7 @@ class LogChecker:
         self._freed_aborts: list[str] = []  # freed after their sample in this step (ABORT.AFTER_NEXT_SAMPLE)
         self._ratio = config.new_token_ratio_init  # new_token_ratio at the end of the previous record
         self._vtc: dict[str, float] = {}  # vtc_counters at the end of the previous record that logged them
+        self._ordinals_registered: set[int] = set()  # every block ordinal any request registered (cache_dedup)
         self._rules = _rule_ids()
         #: async scheduling: step -> {request: (its preemption count, drafts scheduled)} of the tokens
         #: that step samples, in flight until a record whose ``outputs_step`` names the step
@@ -542,8 +545,12 @@ class LogChecker:
             if r.state != "running":
                 self.flag("REQ.SCHEDULED_IS_RUNNING", s, rid, f"scheduled while {r.state}", "scheduled")
                 continue
+            known = r.source.prompt_len + r.outputs if r.source is not None else None
+            prefill = rid in rec.new or rid in rec.resumed or (n > 1 if known is None else r.computed < known - 1)
             r.computed += n
             r.peak = max(r.peak, r.computed)
+            if self.cfg.cache_register == "prefill-and-finish":
+                self._prefill_registration(r, prefill, rid in rec.sampled)
             if n < 1 or r.computed > self.cfg.max_model_len:
                 self.flag("REQ.COMPUTED_LE_TOKENS", s, rid, f"computed {r.computed} of max_model_len {self.cfg.max_model_len}", "scheduled")
             drafts = (rec.drafts or {}).get(rid, 0)  # SPEC.DRAFT_SCHEDULE: scheduled past the known tokens
@@ -575,6 +582,20 @@ class LogChecker:
                 self.flag("SAMPLE.AFTER_PREFILL", s, rid, "sampled without being scheduled", "sampled")
             if not isinstance(token, int) or not 0 <= token < self.vocab:
                 self.flag("SAMPLE.IN_VOCAB", s, rid, f"token {token} outside the vocabulary [0, {self.vocab})", "sampled")
+
+    @staticmethod
+    def _prefill_registration(r: _Req, prefill: bool, sampled: bool) -> None:
+        """CACHE.REGISTER_PREFILL_AND_FINISH: the blocks a prefill step computed are cached after its
+        output (a cut prefill's when the next step begins); a decode step caches nothing until the
+        request finishes, so only the tokens of its last prefill must be registered meanwhile."""
+        if r.cut_pending is not None:
+            r.cached_upto, r.cut_pending = r.cut_pending, None
+        elif r.cached_upto is None:
+            r.cached_upto = 0
+        if prefill and sampled:
+            r.cached_upto = r.computed
+        elif prefill:
+            r.cut_pending = r.computed
 
     def _schedule_async(self, s: int, r: _Req, drafts: int = 0) -> None:
         """Async scheduling: ``computed`` counts the placeholders (ASYNC.PLACEHOLDERS_COUNT), so a
@@ -743,7 +764,13 @@ class LogChecker:
     def _unshared(self, blocks: dict[str, int]) -> int:
         """A lower bound on the distinct blocks held: a block two requests share is a prefix-cache
         hit for all its holders but at most one, so each request's other blocks are its own."""
-        return sum(max(n - self.req(rid).hit_blocks, 0) for rid, n in blocks.items())
+        if self.cfg.cache_dedup != "on-insert":
+            return sum(max(n - self.req(rid).hit_blocks, 0) for rid, n in blocks.items())
+        # CACHE.DEDUP_ON_INSERT rebinds a duplicate block to the tree's copy: a block at an ordinal
+        # some request registered may be shared as well
+        seen = self._ordinals_registered
+        return sum(max(n - max(self.req(rid).hit_blocks, sum(1 for o in range(n) if o in seen)), 0)
+                   for rid, n in blocks.items())
 
     def _check_held(self, rec: StepRecord, r: _Req, held: int) -> None:
         """MEM.SLOTS_COVER_COMPUTED and MEM.BLOCKS_MATCH_COMPUTED for one running request."""
@@ -958,13 +985,21 @@ class LogChecker:
                           f"{r.computed} tokens computed", "cache_registered")
         if not self.cfg.enable_prefix_caching:
             return
+        # CACHE.DEDUP_ON_INSERT: a block whose prefix the tree already holds is freed, not registered; a
+        # duplicate sits at an ordinal some request registered (ordinals are positions in the prompt)
+        seen = self._ordinals_registered
+        for ordinals in rec.cache_registered.values():
+            seen.update(ordinals)
+        dedup = self.cfg.cache_dedup == "on-insert"
         for rid in [r.request_id for r in self.running()] + [rid for rid, _ in rec.finished]:
             r = self.reqs[rid]  # every block full of computed tokens is a hit or was registered
             if r.hit_unknown or rid in rec.preempted:
                 continue
             # async: blocks whose last token is in flight are cached when it arrives (ASYNC.CACHE_AFTER_OUTPUT)
             upto = r.computed - r.placeholders if r.registrable is None else min(r.computed, r.registrable)
-            missing = sorted(set(range(r.hit_blocks, upto // bs)) - r.registered)
+            if r.cached_upto is not None and rid not in dict(rec.finished):  # a finish caches the rest
+                upto = min(upto, r.cached_upto)
+            missing = sorted(set(range(r.hit_blocks, upto // bs)) - r.registered - (seen if dedup else set()))
             if missing:
                 self.flag("LOG.STATE_CONSISTENT", s, rid, f"full blocks {missing[:4]} never registered "
                           f"({r.computed} tokens computed)", "cache_registered")
