@@ -311,10 +311,11 @@ def group_signature(result: ReplayResult) -> Signature:
         cause = giveback[0] if giveback else decision_cause(name, spec, eng, request)
         return (div.kind, name, cause or spec_reason(spec, request, name)[0] or "-")
     if div.field in _MEMORY_FIELDS:  # the memory event behind the spec's value (fuzz.diff.memory_rule)
-        from fuzz.diff import memory_rule
+        from fuzz.diff import as_configured, memory_rule
 
         history = [r for r in result.spec_records if r.step < div.step]
-        return (div.kind, div.field, memory_rule(div.field, spec, eng, div.request, history)[0] or "-")
+        rule = as_configured(memory_rule(div.field, spec, eng, div.request, history)[0], result.trace.config)
+        return (div.kind, div.field, rule or "-")
     return signature(div)
 
 

@@ -471,6 +471,22 @@ def memory_rule(name: str, spec: StepRecord | None, engine: StepRecord | None, r
     return None, request, None
 
 
+def as_configured(rule: str | None, config: dict[str, Any]) -> str | None:
+    """``rule`` as the trace's configuration spells it.  The memory blame names LRU eviction
+    generically (``CACHE.EVICT_LRU``: it sees records, not the configuration); under
+    ``cache_eviction=leaf-lru`` the spec's eviction rule is ``CACHE.EVICT_LEAF_LRU`` (SGLang's radix
+    tree evicts whole leaves), so a report on an SGLang-profile trace names that one."""
+    if rule != "CACHE.EVICT_LRU":
+        return rule
+    from spec.config import ConfigError, resolve
+
+    try:
+        leaf = resolve(config).cache_eviction == "leaf-lru"
+    except (ConfigError, TypeError, ValueError):
+        return rule
+    return "CACHE.EVICT_LEAF_LRU" if leaf else rule
+
+
 def ended_rule(history: Iterable[StepRecord], request: str | None) -> str | None:
     """The spec rule that ended ``request`` before this step (it was aborted, rejected or finished in
     the spec's ``history``), or None: an engine that still runs it broke that rule, whatever the

@@ -35,7 +35,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
-from fuzz.diff import ERROR, NON_TERMINATION, Divergence, first_divergence
+from fuzz.diff import ERROR, NON_TERMINATION, Divergence, as_configured, first_divergence
 from spec.config import resolve
 from spec.formats import LEVELS, StepRecord, Trace, TraceRequest, fields_at
 from spec.protocol import Engine, arrival_order
@@ -393,6 +393,7 @@ def _lock_step(trace: Trace, eng, name: str, level: str, t0: float, after: int |
             found = first_divergence([s_rec] if s_rec else [], [e_rec] if e_rec else [], level, engine=name,
                                      history=spec_recs[:-1] if s_rec else spec_recs)
             if found is not None:
+                found.rule = as_configured(found.rule, trace.config)
                 if after is not None:
                     stop_at = k + after
                     if after == 0:

@@ -271,3 +271,24 @@ def test_a_late_cache_registration_is_named_at_the_registration(monkeypatch):
     with_state, bare = _divergences(trace, monkeypatch, Scheduler, "_cache_blocks", second_block_late)
     assert with_state is not None and with_state.field == "cache_registered" and with_state.rule.startswith("CACHE.")
     assert bare is None or bare.step >= with_state.step
+
+
+def test_an_eviction_blame_names_the_eviction_rule_of_the_traces_configuration():
+    from fuzz.corpus import group_signature
+    from fuzz.diff import as_configured
+    from fuzz.replay import ReplayResult
+    from spec.formats import Trace, TraceRequest
+
+    assert as_configured("CACHE.EVICT_LRU", {"profile": "sglang"}) == "CACHE.EVICT_LEAF_LRU"
+    assert as_configured("CACHE.EVICT_LRU", {"profile": "vllm-v1"}) == "CACHE.EVICT_LRU"
+    assert as_configured("KV.FREE_ORDER", {"profile": "sglang"}) == "KV.FREE_ORDER"  # other rules untouched
+    # a memory-level finding on an SGLang-profile trace: its group names the leaf eviction rule
+    records = lambda n: [StepRecord(0, scheduled=[("a", 4)], new=["a"], num_free_blocks=5, blocks={"a": 1},
+                                    cache_hits={"a": 0}, num_evicted=n)]
+    spec_recs, eng_recs = records(0), records(1)
+    div = first_divergence(spec_recs, eng_recs, "memory")
+    assert div is not None and div.field == "num_evicted"
+    for profile, rule in (("sglang", "CACHE.EVICT_LEAF_LRU"), ("vllm-v1", "CACHE.EVICT_LRU")):
+        trace = Trace(config={"profile": profile}, requests=[TraceRequest(id="a", prompt_len=4, max_tokens=2)])
+        result = ReplayResult(trace, "engine", "memory", eng_recs, spec_recs, div)
+        assert group_signature(result) == ("decision", "num_evicted", rule)
