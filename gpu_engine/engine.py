@@ -26,6 +26,10 @@ from gpu_engine import xp
 from gpu_engine.model import AttentionMetadata, LlamaConfig, PagedLlama
 from gpu_engine.scheduler import PREEMPTED, SWAPPED, Batch, Scheduler, salt_root
 
+# _record_state finds the victims (PREEMPTED or SWAPPED) with one ``status >= PREEMPTED``:
+# they must stay the last two statuses.
+assert SWAPPED == PREEMPTED + 1
+
 
 def make_model(model, device="cpu", dtype: torch.dtype = torch.float32, seed: int = 0,
                vocab_size: int | None = None) -> PagedLlama:
@@ -432,7 +436,7 @@ class GpuEngine:
         tokens, VTC counters, the estimate's rem, cache registrations (ordinals), hit blocks."""
         s = self.sched
         rec.computed = dict(zip(self._names(s.running), xp.to_list(s.num_computed_tokens[s.running])))
-        waiting = xp.nonzero((s.status == PREEMPTED) | (s.status == SWAPPED))  # victims: reset, or swapped out
+        waiting = xp.nonzero(s.status >= PREEMPTED)  # victims: reset, or swapped out (one compare: see below)
         if len(waiting):
             rec.computed.update(zip(self._names(waiting), xp.to_list(s.num_computed_tokens[waiting])))
         rec.token_cap = batch.token_cap
@@ -445,7 +449,7 @@ class GpuEngine:
         rec.cache_registered = registered if s.caching else None
         if self.level == "exact":
             rec.hit_blocks = batch.hit_blocks
-            held = xp.nonzero(s.pool.ref_cnt != 0)  # the pool's own reference counts, not the tables'
-            rec.ref_counts = dict(zip(map(str, xp.to_list(held)), xp.to_list(s.pool.ref_cnt[held])))
+            held, counts = xp.nonzero_items(s.pool.ref_cnt)  # the pool's own reference counts, not the tables'
+            rec.ref_counts = dict(zip(map(str, held), counts))
             if s.caching:  # the pool's own cache map: the block of each hash entry
                 rec.cached_blocks = sorted(b for same in s.pool.cached.values() for b in same)

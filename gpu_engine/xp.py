@@ -207,5 +207,16 @@ def scatter_max(target: Array, index: Array, values: Array) -> None:
         target.scatter_reduce_(0, index, values, reduce="amax")
 
 
+def nonzero_items(x: Array) -> tuple[list[int], list[int]]:
+    """The indices of ``x``'s nonzero entries and their values, in index order (a short
+    numpy array's read from its host list: four array calls cost more than the loop)."""
+    if is_np(x) and len(x) <= SMALL:
+        values = x.tolist()
+        idx = [i for i, v in enumerate(values) if v]
+        return idx, [values[i] for i in idx]
+    idx = nonzero(x != 0)
+    return to_list(idx), to_list(x[idx])
+
+
 def to_list(x: Array) -> list:
     return x.tolist()
