@@ -15,7 +15,7 @@ BACKENDS = [lambda v: np.asarray(v, dtype=np.int64), lambda v: torch.as_tensor(n
 
 @pytest.mark.parametrize("arr", BACKENDS)
 @settings(max_examples=150, deadline=None)
-@given(values=st.lists(st.integers(-3, 5), max_size=2 * xp.SMALL + 5))  # both sides of the SMALL cut
+@given(values=st.lists(st.integers(-3, 5), max_size=2 * xp.SCAN + 5))  # both sides of the SCAN cut
 def test_nonzero_items_are_the_nonzero_entries_in_index_order(arr, values):
     idx, vals = xp.nonzero_items(arr(values))
     assert idx == [i for i, v in enumerate(values) if v != 0]
