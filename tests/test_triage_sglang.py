@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import importlib.util
 import os
 from pathlib import Path
 
@@ -26,8 +27,11 @@ EVIDENCE = {"free_block_order": "self.free_pages = torch.cat((self.free_pages, f
 
 
 def _wheel() -> Path | None:
-    """SGLang's installed source (the venv the SGLang adapter runs in), if this machine has it."""
-    root = os.environ.get("SGLANG_SRC") or next(iter(glob.glob("/work/venv-sglang/lib/python3*/site-packages")), None)
+    """SGLang's installed source, if this machine has it: ``$SGLANG_SRC`` (a site-packages folder),
+    the running interpreter's (the SGLang venv), or the venv ``scripts/sglang-env.sh`` makes."""
+    spec = importlib.util.find_spec("sglang")
+    here = str(Path(spec.origin).parents[1]) if spec is not None and spec.origin else None
+    root = os.environ.get("SGLANG_SRC") or here or next(iter(glob.glob(str(ROOT / ".venv-sglang/lib/python3*/site-packages"))), None)
     return Path(root) if root and (Path(root) / "sglang" / "srt").is_dir() else None
 
 
