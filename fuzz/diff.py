@@ -312,6 +312,24 @@ def one_release(spec: StepRecord, engine: StepRecord, request: str | None, histo
             f"{x[1]} at step {x[0]} ({x[2]}): the order of one request's release")
 
 
+def _releasers(spec: StepRecord, before: dict[str, list[int]], block: int) -> list[tuple[str, str, str]]:
+    """``(request, rule, how)`` for each request that held ``block`` before this step and released it
+    in it, in the order a step releases: aborts before scheduling, preemptions in it, finishes after
+    the model step — the earliest release of a block is blamed first."""
+    finished = {r for r, _ in spec.finished}
+    order = {**{r: 2 for r in finished}, **{r: 1 for r in spec.preempted}, **{r: 0 for r in spec.aborted}}
+    out = []
+    for rid in sorted((r for r, ids in before.items() if block in ids), key=lambda r: order.get(r, 3)):
+        if rid in spec.preempted:
+            rule = _preempt_rule(spec, rid)
+            out.append((rid, rule, f"was preempted ({rule})"))
+        elif rid in spec.aborted:
+            out.append((rid, "ABORT.FREE", "was aborted"))
+        elif rid in finished:
+            out.append((rid, "KV.FREE_ORDER", "finished"))
+    return out
+
+
 def cache_rule(spec: StepRecord, engine: StepRecord | None, history: list[StepRecord]) -> tuple[str, str | None, str]:
     """``(rule, request, why)`` for prefix-cache entries that differ (``cached_blocks``): a block
     whose entry the engine dropped (or kept) when a request that held it was released in this step
@@ -324,17 +342,9 @@ def cache_rule(spec: StepRecord, engine: StepRecord | None, history: list[StepRe
     ours, theirs = Counter(spec.cached_blocks or ()), Counter((engine.cached_blocks if engine else None) or ())
     odd = sorted((ours - theirs) + (theirs - ours))
     before = (history[-1].block_ids if history else None) or {}
-    finished = {r for r, _ in spec.finished}
-    order = {**{r: 2 for r in finished}, **{r: 1 for r in spec.preempted}, **{r: 0 for r in spec.aborted}}
     for block in odd:
-        for rid in sorted((r for r, ids in before.items() if block in ids), key=lambda r: order.get(r, 3)):
-            if rid in spec.preempted:
-                rule = _preempt_rule(spec, rid)
-                return rule, rid, f"block {block}'s cache entry: {rid} released it when preempted ({rule}), cached until popped"
-            if rid in spec.aborted:
-                return "ABORT.FREE", rid, f"block {block}'s cache entry: {rid} was aborted and released it, cached until popped"
-            if rid in finished:
-                return "KV.FREE_ORDER", rid, f"block {block}'s cache entry: {rid} finished and released it, cached until popped"
+        for rid, rule, how in _releasers(spec, before, block):
+            return rule, rid, f"block {block}'s cache entry: {rid} {how} and released it, cached until popped"
     block = odd[0] if odd else "?"
     return ("CACHE.EVICT_LRU", None, f"block {block}: {ours.get(block, 0)} cache entries (spec), {theirs.get(block, 0)} "
             f"(engine); an entry leaves the prefix cache only when its block is popped for re-use")
@@ -351,22 +361,12 @@ def ref_rule(spec: StepRecord, engine: StepRecord | None, history: list[StepReco
     before = (history[-1].block_ids if history else None) or {}
     now = spec.block_ids or {}
     hits = spec.hit_blocks or {}
-    finished = {r for r, _ in spec.finished}
-    # a step's releases in the order they happen: aborts before scheduling, preemptions in it,
-    # finishes after the model step — the earliest release of a block is blamed first
-    order = {**{r: 2 for r in finished}, **{r: 1 for r in spec.preempted}, **{r: 0 for r in spec.aborted}}
     for key in odd:
         block, extra = int(key), theirs.get(key, 0) > ours.get(key, 0)
-        for rid in sorted((r for r, ids in before.items() if block in ids), key=lambda r: order.get(r, 3)):
+        for rid, rule, how in _releasers(spec, before, block):
             if extra and any(str(b) not in odd for b in before[rid] if b != block):
                 continue  # its release dropped its other blocks' references: this one's extra came from elsewhere
-            if rid in spec.preempted:
-                rule = _preempt_rule(spec, rid)
-                return rule, rid, f"block {block} was held by {rid}, preempted in this step ({rule})"
-            if rid in spec.aborted:
-                return "ABORT.FREE", rid, f"block {block} was held by {rid}, aborted in this step"
-            if rid in finished:
-                return "KV.FREE_ORDER", rid, f"block {block} was held by {rid}, which finished and released it"
+            return rule, rid, f"block {block} was held by {rid}, {how} in this step"
         for rid in (r for r, ids in now.items() if block in ids):
             if block in hits.get(rid, ()):
                 return "CACHE.TOUCH", rid, f"{rid}'s prefix hit took a reference on block {block}"

@@ -189,6 +189,16 @@ class BlockPool:
                 self.free.remove(b)
             b.ref_cnt += 1
 
+    @staticmethod
+    def _unref(ordered: list[KVBlock]) -> list[KVBlock]:
+        """Drop one reference from each block; the blocks left with none, in the given order."""
+        zero = []
+        for b in ordered:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                zero.append(b)
+        return zero
+
     @rule("KV.FREE_ORDER", knobs=("enable_prefix_caching", "free_block_order"))
     def free_blocks(self, ordered: list[KVBlock]) -> None:
         """Freed blocks whose ref count reaches 0 re-enter the free queue.
@@ -199,11 +209,7 @@ class BlockPool:
         and in the order they were freed (LRU).  Shared blocks that still have
         holders stay out of the queue.
         """
-        zero = []
-        for b in ordered:
-            b.ref_cnt -= 1
-            if b.ref_cnt == 0:
-                zero.append(b)
+        zero = self._unref(ordered)
         self.free.prepend_n([b for b in zero if b.block_hash is None])
         self.free.append_n([b for b in zero if b.block_hash is not None])
 
@@ -216,11 +222,7 @@ class BlockPool:
         before one freed just now (nano-vllm's deque of free block ids).  A cached block
         keeps its hash until it is popped, as under KV.FREE_ORDER.
         """
-        zero = []
-        for b in ordered:
-            b.ref_cnt -= 1
-            if b.ref_cnt == 0:
-                zero.append(b)
+        zero = self._unref(ordered)
         self.free.append_n(zero)
 
     @rule("CACHE.REGISTER_AT_ALLOCATION", knobs=("enable_prefix_caching", "cache_register"))
@@ -331,11 +333,7 @@ class RadixPool(BlockPool):
     def free_blocks(self, ordered: list[KVBlock]) -> None:
         """Blocks reaching ref count 0 join ``free``; those without cached content join
         ``clean`` too, at its tail (KV.FREE_TO_RELEASE)."""
-        zero = []
-        for b in ordered:
-            b.ref_cnt -= 1
-            if b.ref_cnt == 0:
-                zero.append(b)
+        zero = self._unref(ordered)
         self.free.append_n(zero)
         self.clean.append_n([b for b in zero if b.block_hash is None])
 
