@@ -1622,16 +1622,10 @@ class Scheduler:
         if pending is not None and fin_mask is not None:  # ABORT.AFTER_NEXT_SAMPLE: no stop rule for them
             fin_mask = fin_mask & ~pending
         if self.caching and not self.prefill_finish:
-            plan = self._plan
-            if fin_mask is None and plan is not None and plan[2] is not None and plan[0] is smp and plan[1] == self.clock:
-                grow = plan[2].get((-1 - (self.clock - plan[3])) % self.bs, self._empty)  # (see _phase_plan)
-            else:
-                full = ntok % self.bs == 0
-                if fin_mask is not None:
-                    full &= ~fin_mask
-                grow = xp.nonzero(full)
-            if len(grow):
-                self._extend_chains(smp[grow], ntok[grow])
+            plan = self._plan  # a steady decode streak knows which samplers fill a block (see _phase_plan)
+            steady = fin_mask is None and plan is not None and plan[2] is not None and plan[0] is smp and plan[1] == self.clock
+            grow = plan[2].get((-1 - (self.clock - plan[3])) % self.bs, self._empty) if steady else None
+            self._hash_filled(smp, ntok, fin_mask, grow)
         if self.prefill_finish:
             return self._settle_inserting(batch, smp, ntok, fin_mask, code if fin_mask is not None else None, pending)
         if fin_mask is None or not xp.any_true(fin_mask):
@@ -1646,19 +1640,25 @@ class Scheduler:
         self.running = self.running[self.status[self.running] == RUNNING]
         return self._free_abort_pending(smp, pending, out)
 
+    def _hash_filled(self, smp: Array, ntok: Array, fin_mask, grow: Array | None = None) -> None:
+        """Hash the blocks this step's new tokens filled, in sampler order (a finished request's
+        last one never); ``grow``: the samplers that filled one, when a steady plan knows them."""
+        if grow is None:
+            full = ntok % self.bs == 0
+            if fin_mask is not None:
+                full &= ~fin_mask
+            grow = xp.nonzero(full)
+        if len(grow):
+            self._extend_chains(smp[grow], ntok[grow])
+
     def _settle_inserting(self, batch: Batch, smp: Array, ntok: Array, fin_mask, code, pending) -> list:
         """CACHE.REGISTER_PREFILL_AND_FINISH after the outputs: each sampler in batch order registers
         its computed blocks if it prefilled in this step (a resumed or new request, or a chunk),
         finished, or is freed after this sample (an abort); a finished one is then freed (an
         aborted one by :meth:`_free_abort_pending`); the cut prefills register when the next step
         begins (``stash``, :meth:`schedule`)."""
-        if self.caching:  # hash the blocks the new tokens filled (a finished request's last one never)
-            full = ntok % self.bs == 0
-            if fin_mask is not None:
-                full &= ~fin_mask
-            grow = xp.nonzero(full)
-            if len(grow):
-                self._extend_chains(smp[grow], ntok[grow])
+        if self.caching:
+            self._hash_filled(smp, ntok, fin_mask)
         slots = xp.to_list(batch.slots)
         resumed = set(batch.resumed)
         start, before = xp.to_list(batch.start), xp.to_list(self.num_tokens[batch.slots])
