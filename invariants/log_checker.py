@@ -16,6 +16,7 @@ Usage: ``batchspec check-log LOG --profile vllm-v1 [--trace TRACE]``.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from spec.config import SchedulerConfig
@@ -936,7 +937,7 @@ class LogChecker:
             self._check_ref_counts(rec)
         if rec.cached_blocks is not None:
             entries = list(rec.cached_blocks)
-            twice = sorted({b for b in entries if entries.count(b) > 1})
+            twice = sorted(b for b, k in Counter(entries).items() if k > 1)
             if twice or entries != sorted(entries):
                 self.flag("LOG.STATE_CONSISTENT", s, None, f"cached_blocks: block(s) {twice[:4]} in two cache entries "
                           "(a block holds one hash), or the list is not sorted", "cached_blocks")
@@ -968,7 +969,12 @@ class LogChecker:
     def _check_registered(self, rec: StepRecord, throughout: set[str]) -> None:
         """A request registers each block once per admission, only blocks full of computed tokens."""
         s, bs = rec.step, self.cfg.block_size
+        # CACHE.DEDUP_ON_INSERT: a block whose prefix the tree already holds is freed, not registered; a
+        # duplicate sits at an ordinal some request registered (ordinals are positions in the prompt)
+        dedup = self.cfg.cache_dedup == "on-insert"
         for rid, ordinals in rec.cache_registered.items():
+            if dedup:
+                self._ordinals_registered.update(ordinals)
             r = self.reqs.get(rid)
             if not self.cfg.enable_prefix_caching or r is None:
                 self.flag("LOG.STATE_CONSISTENT", s, rid, "a registration without prefix caching or request", "cache_registered")
@@ -985,12 +991,7 @@ class LogChecker:
                           f"{r.computed} tokens computed", "cache_registered")
         if not self.cfg.enable_prefix_caching:
             return
-        # CACHE.DEDUP_ON_INSERT: a block whose prefix the tree already holds is freed, not registered; a
-        # duplicate sits at an ordinal some request registered (ordinals are positions in the prompt)
-        seen = self._ordinals_registered
-        for ordinals in rec.cache_registered.values():
-            seen.update(ordinals)
-        dedup = self.cfg.cache_dedup == "on-insert"
+        seen = self._ordinals_registered if dedup else set()
         for rid in [r.request_id for r in self.running()] + [rid for rid, _ in rec.finished]:
             r = self.reqs[rid]  # every block full of computed tokens is a hit or was registered
             if r.hit_unknown or rid in rec.preempted:
@@ -999,7 +1000,7 @@ class LogChecker:
             upto = r.computed - r.placeholders if r.registrable is None else min(r.computed, r.registrable)
             if r.cached_upto is not None and rid not in dict(rec.finished):  # a finish caches the rest
                 upto = min(upto, r.cached_upto)
-            missing = sorted(set(range(r.hit_blocks, upto // bs)) - r.registered - (seen if dedup else set()))
+            missing = sorted(set(range(r.hit_blocks, upto // bs)) - r.registered - seen)
             if missing:
                 self.flag("LOG.STATE_CONSISTENT", s, rid, f"full blocks {missing[:4]} never registered "
                           f"({r.computed} tokens computed)", "cache_registered")
