@@ -1539,11 +1539,21 @@ class SpecEngine:
                 hook(out, req, n)
             i += 1
         if i < len(self.running) and self.record_reasons:
-            why = (BUDGET_EXHAUSTED, "token budget spent") if budget == 0 else (BATCH_SEQS_PER_STEP, "max_num_seqs scheduled")
+            why = self._why_running_stopped(budget, scheduled)
             for req in self.running[i:]:
                 if req.request_id not in scheduled:
                     out.reasons.append(reason(why[0], req.request_id, f"not reached: {why[1]}"))
         return budget
+
+    def _why_running_stopped(self, budget: int, scheduled: dict[str, int]) -> tuple[str, str]:
+        """The rule that ended the running phase before the running list's end: the token
+        budget (BUDGET.EXHAUSTED), max_num_seqs scheduled (BATCH.MAX_NUM_SEQS_PER_STEP), or
+        else a request that preempted itself (RUN.PREEMPT_FOR_BLOCKS)."""
+        if budget <= 0:
+            return BUDGET_EXHAUSTED, "token budget spent"
+        if len(scheduled) >= self.config.max_num_seqs:
+            return BATCH_SEQS_PER_STEP, "max_num_seqs scheduled"
+        return RUN_NO_BLOCKS, "the running phase ended when a request preempted itself"
 
     def _no_room_to_join(self, st: StepState, rid: str, budget: int, what: str) -> bool:
         """Nothing more joins the batch this step once the token budget is spent

@@ -329,3 +329,14 @@ def test_without_rejection_an_over_long_prompt_does_not_crash_the_cache():
     cfg = {"max_model_len": 16, "reject_unservable": False, "enable_prefix_caching": True}
     recs = steps(cfg, R("A", 20, 3))
     assert recs[0].scheduled == [("A", 20)] and recs[0].finished == [("A", "max_model_len")]
+
+
+def test_requests_left_after_a_self_preemption_name_the_preemption_not_max_num_seqs():
+    # The scenario above under "stop": X and Y are not reached because B preempted itself, with
+    # budget and max_num_seqs to spare; the reason must say so (it used to name max_num_seqs).
+    cfg = {"num_blocks": 4, "policy": "priority", "priority_self_preempt": "stop"}
+    recs = steps(cfg, R("B", 3, 10, priority=5), R("X", 3, 3, at=1), R("Y", 3, 3, at=1))
+    assert recs[2].scheduled == []
+    for rid in ("X", "Y"):
+        assert rules_for(recs[2], rid) == ["RUN.PREEMPT_FOR_BLOCKS"]
+        assert "BATCH.MAX_NUM_SEQS_PER_STEP" not in rules_for(recs[2], rid)
