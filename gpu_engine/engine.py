@@ -13,6 +13,7 @@ Two modes:
 from __future__ import annotations
 
 import dataclasses
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -164,6 +165,8 @@ class GpuEngine:
         self._rejected: list[tuple[str, str]] = []
         self._names_key = None  # (slots array, its request ids): see _names
         self._scheduled_key = None  # (ids list, num_scheduled array, pairs): see _scheduled
+        self._ref_key = None  # (the pool's ref counts as bytes, their dict): see _ref_counts
+        self._block_names: list[str] = []  # str(block id), by block id: see _ref_counts
         self.prompt_cache = prompt_cache
         self.prompt_tokens = None  # f(request) -> its prompt token ids (default: the trace's rule)
         self.output_tokens = None
@@ -449,7 +452,22 @@ class GpuEngine:
         rec.cache_registered = registered if s.caching else None
         if self.level == "exact":
             rec.hit_blocks = batch.hit_blocks
-            held, counts = xp.nonzero_items(s.pool.ref_cnt)  # the pool's own reference counts, not the tables'
-            rec.ref_counts = dict(zip(map(str, held), counts))
+            rec.ref_counts = self._ref_counts(s.pool.ref_cnt)  # the pool's own reference counts, not the tables'
             if s.caching:  # the pool's own cache map: the block of each hash entry
-                rec.cached_blocks = sorted(b for same in s.pool.cached.values() for b in same)
+                rec.cached_blocks = sorted(chain.from_iterable(s.pool.cached.values()))
+
+    def _ref_counts(self, ref_cnt) -> dict[str, int]:
+        """Block id (as a string) -> reference count of each referenced block, in block order.
+        A pool array byte-for-byte equal to the last record's (no block taken, touched or freed
+        since: most decode steps) gives a copy of the last dict instead of a scan."""
+        snap = ref_cnt.tobytes() if xp.is_np(ref_cnt) else None
+        last = self._ref_key
+        if snap is not None and last is not None and snap == last[0]:
+            return dict(last[1])
+        held, counts = xp.nonzero_items(ref_cnt)
+        names = self._block_names
+        if len(names) < len(ref_cnt):
+            names += [str(b) for b in range(len(names), len(ref_cnt))]
+        out = dict(zip(map(names.__getitem__, held), counts))
+        self._ref_key = (snap, out) if snap is not None else None
+        return dict(out)
