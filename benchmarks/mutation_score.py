@@ -65,7 +65,10 @@ def _block_off_by_one():
         slots = (num_computed + n).clip(max=max_model_len)
         need = (F.cdiv(slots - 1, block_size) - held).clip(min=0)  # BUG: one block short at a boundary
         return xp.where(n > 0, need, 0)
-    return [(F, "block_demand", block_demand)]
+    # the same bug in the host walk of a short CPU segment (formulas.running_walk)
+    walk = source_patch(F, "running_walk", "cdiv(min(c + n, max_model_len), block_size)",
+                        "cdiv(min(c + n, max_model_len) - 1, block_size)")
+    return [(F, "block_demand", block_demand)] + walk
 
 
 def _no_reset_on_preempt():
@@ -164,7 +167,11 @@ def _watermark_ignored():
     def admission(*args, **kw):
         kw["watermark"] = 0  # BUG: no headroom kept for running requests
         return orig(*args, **kw)
-    return [(F, "admission", admission)]
+    walk = F.admission_walk  # (a short CPU window's host walk: the same bug)
+
+    def admission_walk(*args, **kw):
+        return walk(*args, **{**kw, "watermark": 0})
+    return [(F, "admission", admission), (F, "admission_walk", admission_walk)]
 
 
 def _lone_request_capped():

@@ -90,6 +90,41 @@ def first_overflow(need: Array, free: int) -> int:
     return xp.first_true(need.cumsum(0) > free)
 
 
+def running_walk(num_tokens: list, num_computed: list, held: list, *, budget: int, cap: int, max_model_len: int,
+                 block_size: int, free: int, limit: int | None = None) -> tuple[list, int, list, int]:
+    """One segment of the running walk over host lists of ints: :func:`token_demand`,
+    :func:`grant_tokens`, :func:`block_demand` over the reached requests and
+    :func:`first_overflow`, request by request.  Returns ``(n, k, need, f)``: the grants of
+    every request, how many are reached (with ``limit``, only while fewer than ``limit`` of
+    them were granted tokens: BATCH.MAX_NUM_SEQS_PER_STEP), the reached ones' new blocks, and
+    the first of those whose allocation fails (``k`` if none).  For a short CPU segment these
+    plain-int steps cost a fraction of the closed forms' array calls; the CUDA path keeps them."""
+    n_all, need, spent, granted = [], [], 0, 0
+    k = f = -1
+    for t, c, h in zip(num_tokens, num_computed, held):
+        d = t - c
+        if cap > 0:
+            d = min(d, cap)
+        d = max(min(d, max_model_len - 1 - c), 0)
+        left = max(budget - spent, 0)
+        n = min(d, left)
+        n_all.append(n)
+        spent += d
+        if k < 0:
+            if left <= 0 or (limit is not None and granted >= limit):
+                k = len(n_all) - 1
+            else:
+                need.append(max(cdiv(min(c + n, max_model_len), block_size) - h, 0) if n > 0 else 0)
+                granted += n > 0
+    k = len(n_all) if k < 0 else k
+    for j, x in enumerate(need):
+        free -= x
+        if free < 0:
+            f = j
+            break
+    return n_all, k, need, (k if f < 0 else f)
+
+
 def victims_needed(freed_in_order: Array, free: int, need: int, self_pos: int) -> tuple[int, bool]:
     """How many victims one failed allocation preempts: ``(count, self_preempted)``.
 
@@ -186,6 +221,52 @@ def admission(
         ok = ok & ((pad == 0) | (c <= left))
     count = xp.first_true(~ok)
     return count, n, need
+
+
+def admission_walk(
+    num_tokens: list,
+    num_hit_blocks: list,
+    evictable_hits: list,
+    *,
+    budget: int,
+    free: int,
+    watermark: int,
+    num_running: int,
+    cap: int,
+    chunked: bool,
+    full_isl: bool,
+    block_size: int,
+    max_model_len: int,
+    reserve: list | None = None,
+) -> tuple[int, list, list]:
+    """:func:`admission` (without ``pad``) over host lists of ints, candidate by candidate:
+    the same ``(count, n, need)`` (``n`` and ``need`` of every candidate, as lists).  For a
+    CPU window of a few candidates (:data:`gpu_engine.xp.SCAN`) these plain-int steps cost
+    a fraction of the closed form's ~35 array calls; the CUDA path keeps the closed form."""
+    count, n_all, need_all = -1, [], []
+    spent = taken = 0  # excl(c)_j and excl(need)_j
+    for j, (t, h, e) in enumerate(zip(num_tokens, num_hit_blocks, evictable_hits)):
+        hit, rem = h * block_size, t - h * block_size
+        c = min(rem, cap) if cap > 0 else rem
+        left = max(budget - spent, 0)
+        n = min(c, left)
+        slots = min(hit + n, max_model_len)
+        if reserve is not None:
+            slots = max(slots, reserve[j])
+        need = max(cdiv(slots, block_size) - h, 0) + e
+        seen_free = free - taken
+        wm = watermark if num_running + j > 0 else 0
+        ok = left > 0 and need + wm <= seen_free and (chunked or c <= left)
+        if full_isl:
+            fits = max(cdiv(min(t, max_model_len), block_size) - h, 0) + e + wm <= seen_free
+            ok = ok and (fits or (reserve is not None and reserve[j] > 0))
+        if not ok and count < 0:
+            count = j
+        n_all.append(n)
+        need_all.append(need)
+        spent += c
+        taken += need
+    return (len(n_all) if count < 0 else count), n_all, need_all
 
 
 # -- speculative decoding (knob num_speculative_tokens K > 0) ---------------------------------

@@ -1153,21 +1153,8 @@ class Scheduler:
             seg = run[i:]
             comp = self.num_computed_tokens[seg]
             ntok = self.num_tokens[seg]
-            if self.asynchronous:
-                demand = self._async_demand(seg, comp, ntok + self.proposed[seg] if self.num_spec else ntok, cap)
-            elif self.num_spec:  # its proposed drafts too (spent once it is scheduled)
-                demand = F.token_demand(ntok + self.proposed[seg], comp, cap, c.max_model_len)
-            else:
-                demand = F.token_demand(ntok, comp, cap, c.max_model_len)
-            if early:  # served at risk: nothing more this step
-                demand = xp.where(self.at_risk_served[seg] > 0, 0, demand)
-            n, reached = F.grant_tokens(demand, budget)
-            if limit is not None:  # reached while fewer than max_num_seqs were scheduled (a prefix too)
-                reached = reached & (xp.exclusive_cumsum((n > 0) * 1) < limit - num_scheduled)
-            k = xp.total(reached)  # reached is a prefix
-            need = F.block_demand(comp[:k], n[:k], self.num_blocks[seg[:k]], self.bs, c.max_model_len)
-            f = F.first_overflow(need, self.pool.num_free)
-            take = xp.nonzero(n[:f] > 0)
+            n, k, need, f, take = self._segment(seg, comp, ntok, budget, cap,
+                                                None if limit is None else limit - num_scheduled, early)
             ts, tn = seg[take], n[take]
             self._allocate_cached(ts, need[take], xp.minimum(comp[take] + tn, ntok[take]))
             seg_slots.append(ts)
@@ -1214,6 +1201,35 @@ class Scheduler:
         self.running = run
         return self.be.cat(seg_slots), self.be.cat(seg_n), budget, unscheduled
 
+    def _segment(self, seg: Array, comp: Array, ntok: Array, budget: int, cap: int, limit: int | None, early: bool):
+        """One segment of phase 1's walk, up to its first failed allocation: ``(n, k, need, f,
+        take)``, the grants, how many requests are reached (``limit``: while fewer were granted
+        tokens), the reached ones' new blocks, the first whose allocation fails (``k``: none) and
+        the positions before it granted tokens.  A short CPU segment (no async, drafts or at-risk
+        decodes) is walked on host ints (:func:`formulas.running_walk`, the same values)."""
+        c = self.config
+        if self.be.numpy and len(seg) <= xp.SCAN and not (self.asynchronous or self.num_spec or early):
+            n, k, need, f = F.running_walk(ntok.tolist(), comp.tolist(), self.num_blocks[seg].tolist(), budget=budget,
+                                           cap=cap, max_model_len=c.max_model_len, block_size=self.bs,
+                                           free=self.pool.num_free, limit=limit)
+            take = self.be.asarray([j for j in range(f) if n[j] > 0])
+            return self.be.asarray(n), k, self.be.asarray(need), f, take
+        if self.asynchronous:
+            demand = self._async_demand(seg, comp, ntok + self.proposed[seg] if self.num_spec else ntok, cap)
+        elif self.num_spec:  # its proposed drafts too (spent once it is scheduled)
+            demand = F.token_demand(ntok + self.proposed[seg], comp, cap, c.max_model_len)
+        else:
+            demand = F.token_demand(ntok, comp, cap, c.max_model_len)
+        if early:  # served at risk: nothing more this step
+            demand = xp.where(self.at_risk_served[seg] > 0, 0, demand)
+        n, reached = F.grant_tokens(demand, budget)
+        if limit is not None:  # reached while fewer than max_num_seqs were scheduled (a prefix too)
+            reached = reached & (xp.exclusive_cumsum((n > 0) * 1) < limit)
+        k = xp.total(reached)  # reached is a prefix
+        need = F.block_demand(comp[:k], n[:k], self.num_blocks[seg[:k]], self.bs, c.max_model_len)
+        f = F.first_overflow(need, self.pool.num_free)
+        return n, k, need, f, xp.nonzero(n[:f] > 0)
+
     def _async_demand(self, seg: Array, comp: Array, ntok: Array, cap: int) -> Array:
         """Async scheduling: tokens in flight count as tokens to compute past (``num_tokens +
         placeholders``); a request with a placeholder whose known outputs plus that one reach
@@ -1235,7 +1251,7 @@ class Scheduler:
         ntok = self.num_tokens[run]
         plan = self._phase_plan(run)
         if plan is not None:  # the same requests as last step, one token further (see _phase_plan)
-            grow, todo = plan.get(1), plan.get(0)
+            grow, todo = plan
             held = self.num_blocks[run[grow]] if len(grow) else grow
         else:
             held = self.num_blocks[run]
@@ -1278,7 +1294,8 @@ class Scheduler:
         update fills one iff ``t + 1`` is.  The positions by phase are made once per streak (on
         its third step, checked against ``held`` and ``num_cached_blocks`` that the closed forms
         hold: not under full reservation, registration when computed, or latest-wins), then
-        each step is three look-ups: ``{1: pops, 0: registers, -1: fills}``; None otherwise."""
+        each step is two look-ups: ``(pops, registers)``; None otherwise (:meth:`update` looks
+        up the fills itself)."""
         plan, clock, bs = self._plan, self.clock, self.bs
         if plan is None or plan[0] is not run or plan[1] != clock - 1 or len(run) < 4:
             return None
@@ -1300,7 +1317,7 @@ class Scheduler:
                 groups.setdefault(p, []).append(i)
             plan[2], plan[3] = {p: self.be.asarray(g) for p, g in groups.items()}, clock
         phases, d, empty = plan[2], clock - plan[3], self._empty
-        return {k: phases.get((k - d) % bs, empty) for k in (1, 0, -1)}
+        return phases.get((1 - d) % bs, empty), phases.get(-d % bs, empty)
 
     def _steady_arrays(self, n: int) -> tuple:
         """Read-only ``ones(n)`` and ``all-True(n)`` arrays, made once per length."""
@@ -1322,7 +1339,7 @@ class Scheduler:
         self._note_cap(batch, cap)
         c = self.config
         out_slots, out_n = [], []
-        continued = continued if continued is not None else (self.be.empty_int(), self.be.empty_int())
+        continued = continued if continued is not None else (self._empty, self._empty)
         rem = None
         if self.estimate:  # SGLang's rem_total_tokens, fixed as the admission round begins
             rem = self._estimate_rem(continued)
@@ -1351,12 +1368,7 @@ class Scheduler:
             else:
                 hits = self.be.empty_int()
                 nhit = evictable = ntok * 0
-            count, n, need = F.admission(
-                ntok, nhit * self.bs, nhit, evictable, budget=budget, free=self.pool.num_free,
-                watermark=self.watermark_blocks, num_running=len(self.running), cap=cap,
-                chunked=c.enable_chunked_prefill, full_isl=c.scheduler_reserve_full_isl,
-                block_size=self.bs, max_model_len=c.max_model_len, reserve=self._reservation(cand),
-                pad=self._draft_padding(ntok, nhit))
+            count, n, need = self._admission(cand, ntok, nhit, evictable, budget, cap)
             if rem is not None:
                 if batch.estimate_rem is None:
                     batch.estimate_rem = rem
@@ -1386,6 +1398,20 @@ class Scheduler:
             if count < len(cand) or count == 0:
                 break
         return self.be.cat(out_slots), self.be.cat(out_n), budget
+
+    def _admission(self, cand: Array, ntok: Array, nhit: Array, evictable: Array, budget: int, cap: int):
+        """:func:`formulas.admission` over a window; a short CPU window without draft padding
+        is walked on host ints instead (:func:`formulas.admission_walk`: the same values)."""
+        c, reserve = self.config, self._reservation(cand)
+        walk = dict(budget=budget, free=self.pool.num_free, watermark=self.watermark_blocks,
+                    num_running=len(self.running), cap=cap, chunked=c.enable_chunked_prefill,
+                    full_isl=c.scheduler_reserve_full_isl, block_size=self.bs, max_model_len=c.max_model_len)
+        if self.be.numpy and not self.num_spec and len(cand) <= xp.SCAN:
+            count, n, need = F.admission_walk(ntok.tolist(), nhit.tolist(), evictable.tolist(),
+                                              reserve=None if reserve is None else reserve.tolist(), **walk)
+            return count, self.be.asarray(n), self.be.asarray(need)
+        return F.admission(ntok, nhit * self.bs, nhit, evictable, reserve=reserve,
+                           pad=self._draft_padding(ntok, nhit), **walk)
 
     def _leaves_budget(self, rest: Array, budget: int, cap: int, scheduled: int) -> int:
         """ADMIT.NO_CHUNKING_EXCLUSIVE: the window's candidates before the first one that is not the

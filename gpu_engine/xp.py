@@ -32,6 +32,7 @@ class Backend:
         self.numpy = self.device.type == "cpu" if use_numpy is None else use_numpy
         if self.numpy and self.device.type != "cpu":
             raise ValueError("numpy views need CPU tensors")
+        self._empty = self.arange(0)  # shared: nothing writes into a 0-length array
 
     # -- storage: always a torch tensor; the working view is numpy on CPU --
     def tensor(self, shape, fill: int = 0, dtype=INT) -> torch.Tensor:
@@ -58,7 +59,8 @@ class Backend:
         return np.arange(start, start + n, dtype=np.int64) if self.numpy else torch.arange(start, start + n, device=self.device)
 
     def empty_int(self) -> Array:
-        return self.arange(0)
+        """A 0-length int array (one shared array: a step makes many empty phases)."""
+        return self._empty
 
     def cat(self, parts: list) -> Array:
         parts = [p for p in parts if len(p)]
@@ -172,7 +174,7 @@ def bincount(x: Array, length: int) -> Array:
 
 
 def stable_argsort(x: Array) -> Array:
-    return np.argsort(x, kind="stable") if is_np(x) else torch.sort(x, stable=True).indices
+    return x.argsort(kind="stable") if is_np(x) else torch.sort(x, stable=True).indices  # (the method: no wrapper)
 
 
 def searchsorted(sorted_seq: Array, values: Array, right: bool = False) -> Array:
@@ -181,11 +183,16 @@ def searchsorted(sorted_seq: Array, values: Array, right: bool = False) -> Array
     return torch.searchsorted(sorted_seq, values, right=right)
 
 
+SORT_ALL = 256  # numpy key arrays up to this length are sorted whole by smallest_k (measured: 2-5x cheaper)
+
+
 def smallest_k(keys: Array, k: int) -> Array:
     """Indices of the ``k`` smallest keys, in increasing key order (keys distinct)."""
     if k >= len(keys):
         return stable_argsort(keys)
     if is_np(keys):
+        if len(keys) <= SORT_ALL:  # one sort (the method: no dispatch wrapper) beats partition + sort
+            return keys.argsort(kind="stable")[:k]
         part = np.argpartition(keys, k - 1)[:k]
         return part[np.argsort(keys[part], kind="stable")]
     return torch.topk(keys, k, largest=False, sorted=True).indices

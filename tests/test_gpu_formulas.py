@@ -250,3 +250,48 @@ def test_swap_in_walk(arr, cands, budget, free, watermark, running, cap, full_is
                              num_running=running, full_isl=full_isl, block_size=bs, max_model_len=mml)
     assert got == count
     assert listify(n)[:count] == grants and listify(need)[:count] == needs
+
+
+# -- host walks: the closed forms evaluated on plain ints for a short CPU window / segment --------
+
+
+@given(cands=st.lists(st.tuples(st.integers(1, 60), st.integers(0, 3), st.integers(0, 3), st.integers(0, 90)),
+                      min_size=1, max_size=10),
+       budget=st.integers(1, 80), free=st.integers(0, 30), watermark=st.integers(0, 4), running=st.integers(0, 2),
+       cap=st.integers(0, 20), chunked=st.booleans(), full_isl=st.booleans(), bs=st.sampled_from([1, 2, 4, 16]),
+       mml=st.integers(8, 80), reserved=st.booleans())
+def test_admission_host_walk_equals_the_closed_form(cands, budget, free, watermark, running, cap, chunked, full_isl,
+                                                     bs, mml, reserved):
+    """formulas.admission_walk (host ints) admits as many as vLLM's loop and gives every candidate
+    the same grant and block count as formulas.admission (with and without a reservation)."""
+    if not reserved:
+        cands = [c[:3] + (0,) for c in cands]
+    ntok, nhit, evict, reserve, count = admission_walk(cands, budget, free, watermark, running, cap, chunked,
+                                                       full_isl, bs, mml)
+    kw = dict(budget=budget, free=free, watermark=watermark, num_running=running, cap=cap, chunked=chunked,
+              full_isl=full_isl, block_size=bs, max_model_len=mml)
+    got, n, need = F.admission_walk(ntok, nhit, evict, reserve=reserve if reserved else None, **kw)
+    a = BACKENDS[0]
+    want, n_cf, need_cf = F.admission(a(ntok), a(nhit) * bs, a(nhit), a(evict), reserve=a(reserve) if reserved else None, **kw)
+    assert got == count == want
+    assert n == listify(n_cf) and need == listify(need_cf)
+
+
+@given(ntok=st.lists(st.integers(1, 60), min_size=1, max_size=12), data=st.data(), budget=st.integers(1, 80),
+       cap=st.integers(0, 20), mml=st.integers(2, 70), bs=st.sampled_from([1, 2, 4, 16]), free=st.integers(0, 12),
+       limit=st.one_of(st.none(), st.integers(0, 6)))
+def test_running_host_walk_equals_the_closed_forms(ntok, data, budget, cap, mml, bs, free, limit):
+    """formulas.running_walk (host ints) equals token_demand, grant_tokens, block_demand and
+    first_overflow over one segment, the max_num_seqs limit on reached requests included."""
+    comp = [data.draw(st.integers(0, t - 1)) for t in ntok]
+    held = [data.draw(st.integers(0, cdiv(c, bs) + 1)) for c in comp]
+    a = BACKENDS[0]
+    n, reached = F.grant_tokens(F.token_demand(a(ntok), a(comp), cap, mml), budget)
+    if limit is not None:
+        reached = reached & ((n > 0).cumsum() - (n > 0) < limit)
+    k = int(reached.sum())
+    need = F.block_demand(a(comp[:k]), n[:k], a(held[:k]), bs, mml)
+    f = F.first_overflow(need, free)
+    got = F.running_walk(ntok, comp, held, budget=budget, cap=cap, max_model_len=mml, block_size=bs, free=free,
+                         limit=limit)
+    assert got == (listify(n), k, listify(need), f)
