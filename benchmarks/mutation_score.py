@@ -286,11 +286,7 @@ def _retraction_drops_prefix():
             blocks = self.block_table[rows, cols]
             own = xp.to_list(blocks[(self.pool.ref_cnt[blocks] == 1) & (self.pool.block_hash[blocks] >= 0)])
             for b in own:
-                h = int(self.pool.block_hash[b])
-                same = self.pool.cached.get(h, {})
-                same.pop(b, None)
-                if not same:
-                    self.pool.cached.pop(h, None)
+                self.pool.uncache([b], [int(self.pool.block_hash[b])])
                 self.pool.block_hash[b] = -1
         return orig(self, victims, batch)
     return [(Scheduler, "_preempt", _preempt)]

@@ -5,7 +5,12 @@ queue starts as ``1..N-1``; freed unhashed blocks go to the head, freed cached
 blocks to the tail; a prefix hit removes an evictable block from wherever it
 is; popping a cached block evicts it).  The prefix-cache map itself
 (hash -> blocks) is a host dict, as the issue allows: lookups walk a request's
-hash chain, which is inherently sequential.
+hash chain, which is inherently sequential.  It is flat: ``entry[h]`` is the
+earliest-registered block carrying ``h``, the later ones (duplicates: the same
+content computed twice before either was cached, rare) wait in ``duplicates[h]``;
+so registering and evicting a block is one store or delete on the common path,
+done by the dict itself for a whole batch (no per-hash set of blocks to build
+and tear down: that was 12-18% of a capacity sweep).
 """
 from __future__ import annotations
 
@@ -138,8 +143,21 @@ class BlockPool:
         self._last_t = be.tensor((num_blocks,), -1)  # scratch for ``free``
         self._last = be.view(self._last_t)
         self.queue = FreeQueue(be, num_blocks, 1 if null_block else 0)
-        self.cached: dict[int, dict[int, None]] = {}  # hash -> block ids, insertion ordered
+        self.entry: dict[int, int] = {}  # hash -> the earliest-registered block carrying it
+        self.duplicates: dict[int, dict[int, None]] = {}  # hash -> its later blocks, in registration order
         self.evicted: list[int] = []  # this step's evictions, in pop order
+
+    @property
+    def cached(self) -> "CacheView":
+        """The prefix-cache map as hash -> its blocks, earliest first (read-only; logs and tests)."""
+        return CacheView(self)
+
+    def cached_blocks(self) -> list[int]:
+        """Every block in the prefix-cache map (entries, then duplicates)."""
+        out = list(self.entry.values())
+        for more in self.duplicates.values():
+            out += more
+        return out
 
     @property
     def num_free(self) -> int:
@@ -159,12 +177,12 @@ class BlockPool:
     def lookup(self, hashes: list[int], max_blocks: int) -> list[int]:
         """Longest run of cached blocks for the leading hashes (earliest-cached block per hash)."""
         out = []
-        cached = self.cached
+        entry = self.entry
         for h in hashes[:max_blocks]:
-            same = cached.get(h)
-            if not same:
+            b = entry.get(h)
+            if b is None:
                 break
-            out.append(next(iter(same)))
+            out.append(b)
         return out
 
     def register(self, blocks: Array | list[int], hashes: list[int]) -> None:
@@ -175,24 +193,46 @@ class BlockPool:
             self._register_latest(ids, hashes)
             return
         self.block_hash[self.be.asarray(blocks) if isinstance(blocks, list) else blocks] = self.be.asarray(hashes)
-        cached = self.cached
+        entry = self.entry
+        if entry.keys().isdisjoint(hashes) and len(set(hashes)) == len(hashes):
+            entry.update(zip(hashes, ids))  # every hash new (the common case): one C-level pass
+            return
         for b, h in zip(ids, hashes):
-            same = cached.get(h)
-            if same is None:
-                cached[h] = {b: None}
-            else:
-                same[b] = None
+            first = entry.setdefault(h, b)
+            if first != b:  # a duplicate: after the blocks already carrying h
+                self.duplicates.setdefault(h, {})[b] = None
 
     def _register_latest(self, blocks: list[int], hashes: list[int]) -> None:
         """CACHE.LATEST_WINS: in order, each block takes its hash over from the blocks that
         carried it, which lose theirs (no longer hit-able; popping one evicts nothing)."""
-        cached = self.cached
+        entry = self.entry  # (one block per hash here: never a duplicate)
         for b, h in zip(blocks, hashes):
-            old = cached.get(h)
-            if old:
-                self.block_hash[self.be.asarray(list(old))] = -1
-            cached[h] = {b: None}
+            old = entry.get(h)
+            if old is not None:
+                self.block_hash[old] = -1
+            entry[h] = b
             self.block_hash[b] = h
+
+    def uncache(self, blocks: list[int], hashes: list[int]) -> None:
+        """Take cached blocks (``hashes[i]`` the hash of ``blocks[i]``) out of the map; a
+        hash's next duplicate, if any, becomes its entry."""
+        entry = self.entry
+        if not self.duplicates:  # every hash has one block, the evicted one
+            for h in hashes:
+                del entry[h]
+            return
+        for b, h in zip(blocks, hashes):
+            more = self.duplicates.get(h)
+            if entry[h] == b:
+                if more:
+                    entry[h] = next(iter(more))
+                    del more[entry[h]]
+                else:
+                    del entry[h]
+            else:
+                del more[b]
+            if more is not None and not more:
+                del self.duplicates[h]
 
     # -- queue operations --
     def pop(self, k: int) -> Array:
@@ -207,12 +247,7 @@ class BlockPool:
                 cached_mask = hashes >= 0
                 ev = out[cached_mask]
                 evicted = xp.to_list(ev)
-                cached = self.cached
-                for b, h in zip(evicted, xp.to_list(hashes[cached_mask])):
-                    same = cached[h]
-                    del same[b]
-                    if not same:
-                        del cached[h]
+                self.uncache(evicted, xp.to_list(hashes[cached_mask]))
                 self.evicted += evicted
                 self.block_hash[ev] = -1
         return out
@@ -243,3 +278,44 @@ class BlockPool:
         head, tail = free_order(groups, last, zero, hashed)
         self.queue.prepend(seq[head])
         self.queue.append(seq[tail])
+
+
+class CacheView:
+    """Read access to a pool's prefix-cache map in its reader's shape: hash -> the tuple of
+    blocks carrying it, earliest-registered first (:attr:`BlockPool.cached`)."""
+
+    __slots__ = ("pool",)
+
+    def __init__(self, pool: BlockPool):
+        self.pool = pool
+
+    def get(self, h: int, default=None):
+        b = self.pool.entry.get(h)
+        if b is None:
+            return default
+        more = self.pool.duplicates.get(h)
+        return (b, *more) if more else (b,)
+
+    def __getitem__(self, h: int) -> tuple[int, ...]:
+        got = self.get(h)
+        if got is None:
+            raise KeyError(h)
+        return got
+
+    def __contains__(self, h: int) -> bool:
+        return h in self.pool.entry
+
+    def __len__(self) -> int:
+        return len(self.pool.entry)
+
+    def __iter__(self):
+        return iter(self.pool.entry)
+
+    def keys(self):
+        return self.pool.entry.keys()
+
+    def items(self):
+        return ((h, self[h]) for h in self.pool.entry)
+
+    def values(self):
+        return (self[h] for h in self.pool.entry)

@@ -126,8 +126,7 @@ class RadixBlockPool(BlockPool):
                 prev = b
             self.stamp[blocks[i]] = self._tick()
             self.block_hash[self.be.asarray(blocks[i:])] = self.be.asarray(hashes[i:])
-            for b, h in zip(blocks[i:], hashes[i:]):  # (the base pool's map: one block per hash here)
-                self.cached[h] = {b: None}
+            self.entry.update(zip(hashes[i:], blocks[i:]))  # (the base pool's map: one block per hash here)
         return dups, i
 
     # -- eviction --
@@ -155,7 +154,7 @@ class RadixBlockPool(BlockPool):
             blocks, parent = self._node_blocks(h), self.up[h]
             del self._children(parent)[int(self.block_hash[h])]
             for b in blocks:
-                del self.cached[int(self.block_hash[b])]
+                del self.entry[int(self.block_hash[b])]
             del self.stamp[h]
             for b in blocks:
                 self.kids[b] = None
