@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field, replace
-from itertools import combinations
+from itertools import chain, combinations
+from operator import itemgetter
 from typing import Any, Callable, Iterable
 
 from spec.formats import StepRecord, Trace
@@ -40,16 +41,19 @@ PREEMPTING = ("PREEMPT.", "RETRACT.", "SWAP.OUT", "SWAP.FALLBACK_RECOMPUTE")
 
 @dataclass
 class StepFacts:
-    """What fired at one step: ``rules`` per request (``None``: the step as a whole)."""
+    """What fired at one step: ``rules`` per request (``None``: the step as a whole);
+    ``fired``: all of them, kept as they are added (the union of ``by_request``'s sets)."""
 
     step: int
     by_request: dict[str | None, set[str]] = field(default_factory=dict)
+    fired: set[str] = field(default_factory=set)
 
     def add(self, rule: str, request: str | None = None) -> None:
         self.by_request.setdefault(request, set()).add(rule)
+        self.fired.add(rule)
 
     def rules(self) -> set[str]:
-        return set().union(*self.by_request.values()) if self.by_request else set()
+        return set(self.fired)
 
     def of(self, request: str | None) -> set[str]:
         return self.by_request.get(request, set())
@@ -59,12 +63,15 @@ def _shared(block_ids: dict[str, list[int]] | None) -> set[str]:
     """Requests that hold a block another request holds too (a shared prefix block)."""
     if not block_ids:
         return set()
+    flat = list(chain.from_iterable(block_ids.values()))
+    if len(set(flat)) == len(flat):  # most steps: no block held twice (one C-level pass)
+        return set()
     seen: set[int] = set()
     twice: set[int] = set()  # blocks an earlier request holds too
     for blocks in block_ids.values():
         twice.update(seen.intersection(blocks))
         seen.update(blocks)
-    if not twice:  # most steps: no block held twice, one pass
+    if not twice:  # a block held twice by one request only
         return set()
     return {rid for rid, blocks in block_ids.items() if not twice.isdisjoint(blocks)}
 
@@ -79,20 +86,20 @@ def step_facts(records: Iterable[StepRecord], budget: int | None = None) -> list
     shared: set[str] = set()
     waiting: dict[str, str] = {}  # request -> STATE.PREEMPTED / STATE.SWAPPED / STATE.RETRACTED
     for rec in records:
-        f = StepFacts(rec.step)
-        for rid in shared:
-            f.add("STATE.SHARED_BLOCKS", rid)
+        # (StepFacts.add inlined: this loop runs for every step of every campaign trace)
+        by: dict[str | None, set[str]] = {rid: {"STATE.SHARED_BLOCKS"} for rid in shared}
         for rid, state in waiting.items():
-            f.add(state, rid)
+            by.setdefault(rid, set()).add(state)
         for r in rec.reasons or ():
-            f.add(str(r.get("rule")), r.get("request"))
+            by.setdefault(r.get("request"), set()).add(str(r.get("rule")))
         for rid, hit in (rec.cache_hits or {}).items():
             if hit > 0:
-                f.add("CACHE.HIT", rid)
+                by.setdefault(rid, set()).add("CACHE.HIT")
         if rec.num_evicted:
-            f.add("CACHE.EVICT_LRU")
-        if budget and sum(n for _, n in rec.scheduled) >= budget:
-            f.add("STATE.BUDGET_SPENT")
+            by.setdefault(None, set()).add("CACHE.EVICT_LRU")
+        if budget and sum(map(itemgetter(1), rec.scheduled)) >= budget:
+            by.setdefault(None, set()).add("STATE.BUDGET_SPENT")
+        f = StepFacts(rec.step, by, set().union(*by.values()))
         for rid in rec.resumed:
             waiting.pop(rid, None)
         for rid in list(rec.aborted) + [r for r, _ in rec.finished]:
@@ -111,19 +118,32 @@ def automatic_pairs(facts: list[StepFacts]) -> set[str]:
     """Every two rule ids (``STATE.*`` facts left out) fired in one step, ``step:A+B``, or on one
     request across the trace, ``life:A+B`` (names in sorted order)."""
     out: set[str] = set()
-    life: dict[str, set[str]] = {}
-    step_sets: set[frozenset[str]] = set()  # a step's rule set seen before adds no pair (most decode steps)
+    life: dict[str, set[str]] = {}  # request -> every fact it had (STATE.* left out at the end)
+    seen: set[frozenset[str]] = set()  # a step's facts seen before add no pair (most decode steps)
+    step_sets: set[frozenset[str]] = set()
     for f in facts:
-        rules = frozenset(r for r in f.rules() if not r.startswith("STATE."))
-        if rules not in step_sets:
-            step_sets.add(rules)
-            out.update(f"step:{a}+{b}" for a, b in combinations(sorted(rules), 2))
+        fired = frozenset(f.fired)
+        if fired not in seen:
+            seen.add(fired)
+            rules = frozenset(_rules_only(fired))
+            if rules not in step_sets:
+                step_sets.add(rules)
+                out.update(f"step:{a}+{b}" for a, b in combinations(sorted(rules), 2))
         for rid, mine in f.by_request.items():
             if rid is not None:
-                life.setdefault(rid, set()).update(r for r in mine if not r.startswith("STATE."))
+                had = life.get(rid)
+                if had is None:
+                    life[rid] = set(mine)
+                else:
+                    had |= mine
     for mine in life.values():
-        out.update(f"life:{a}+{b}" for a, b in combinations(sorted(mine), 2))
+        out.update(f"life:{a}+{b}" for a, b in combinations(sorted(_rules_only(mine)), 2))
     return out
+
+
+def _rules_only(facts: Iterable[str]) -> list[str]:
+    """The rule ids among ``facts`` (``STATE.*`` facts left out)."""
+    return [r for r in facts if not r.startswith("STATE.")]
 
 
 def _starts(rules: set[str], prefixes: tuple[str, ...]) -> bool:
@@ -156,7 +176,8 @@ def _same_request(first: tuple[str, ...], second: tuple[str, ...]) -> Callable[[
     @_needs(first, second)
     def met(facts: list[StepFacts]) -> bool:
         return any(_starts(mine, first) and _starts(mine, second)
-                   for f in facts for rid, mine in f.by_request.items() if rid is not None)
+                   for f in facts if _starts(f.fired, first) and _starts(f.fired, second)  # (else no request can)
+                   for rid, mine in f.by_request.items() if rid is not None)
     return met
 
 
@@ -164,7 +185,7 @@ def _same_step(first: tuple[str, ...], second: tuple[str, ...]) -> Callable[[lis
     """One step has a rule of ``first`` (anyone's) and one of ``second`` (anyone's)."""
     @_needs(first, second)
     def met(facts: list[StepFacts]) -> bool:
-        return any(_starts(rules, first) and _starts(rules, second) for rules in (f.rules() for f in facts))
+        return any(_starts(f.fired, first) and _starts(f.fired, second) for f in facts)
     return met
 
 
@@ -174,6 +195,8 @@ def _one_life(first: tuple[str, ...], second: tuple[str, ...]) -> Callable[[list
     def met(facts: list[StepFacts]) -> bool:
         seen: set[str] = set()
         for f in facts:
+            if not _starts(f.fired, first) and not (seen and _starts(f.fired, second)):
+                continue  # (no request of this step can be marked or match)
             for rid, mine in f.by_request.items():
                 if rid is None:
                     continue
@@ -384,7 +407,7 @@ BY_NAME = {i.name: i for i in INTERACTIONS}
 
 def interactions_met(facts: list[StepFacts]) -> list[str]:
     """The names of the curated interactions the trace's facts show, in :data:`INTERACTIONS` order."""
-    fired = set().union(*(mine for f in facts for mine in f.by_request.values()))
+    fired = set().union(*(f.fired for f in facts))
     return [i.name for i in INTERACTIONS if _may_meet(i, fired) and i.met(facts)]
 
 
