@@ -91,38 +91,34 @@ def first_overflow(need: Array, free: int) -> int:
 
 
 def running_walk(num_tokens: list, num_computed: list, held: list, *, budget: int, cap: int, max_model_len: int,
-                 block_size: int, free: int, limit: int | None = None) -> tuple[list, int, list, int]:
-    """One segment of the running walk over host lists of ints: :func:`token_demand`,
-    :func:`grant_tokens`, :func:`block_demand` over the reached requests and
-    :func:`first_overflow`, request by request.  Returns ``(n, k, need, f)``: the grants of
-    every request, how many are reached (with ``limit``, only while fewer than ``limit`` of
-    them were granted tokens: BATCH.MAX_NUM_SEQS_PER_STEP), the reached ones' new blocks, and
-    the first of those whose allocation fails (``k`` if none).  For a short CPU segment these
-    plain-int steps cost a fraction of the closed forms' array calls; the CUDA path keeps them."""
+                 block_size: int, free: int, limit: int | None = None) -> tuple[list, list, int, bool]:
+    """One segment of the running walk over host lists of ints, request by request up to its
+    first failed allocation: :func:`token_demand`, :func:`grant_tokens`, :func:`block_demand`
+    and :func:`first_overflow`.  Returns ``(n, need, f, failed)``: the grants and new blocks of
+    the requests walked, the first whose allocation fails (else the number reached: with
+    ``limit``, only while fewer than ``limit`` were granted tokens, BATCH.MAX_NUM_SEQS_PER_STEP),
+    and whether one failed (the walk stops there: ``n`` and ``need`` end with its values).  For
+    a short CPU segment these plain-int steps cost a fraction of the closed forms' array calls;
+    the CUDA path keeps the closed forms."""
     n_all, need, spent, granted = [], [], 0, 0
-    k = f = -1
     for t, c, h in zip(num_tokens, num_computed, held):
+        left = budget - spent
+        if left <= 0 or (limit is not None and granted >= limit):
+            break  # not reached: neither is any later one
         d = t - c
         if cap > 0:
             d = min(d, cap)
         d = max(min(d, max_model_len - 1 - c), 0)
-        left = max(budget - spent, 0)
         n = min(d, left)
+        x = max(cdiv(min(c + n, max_model_len), block_size) - h, 0) if n > 0 else 0
         n_all.append(n)
-        spent += d
-        if k < 0:
-            if left <= 0 or (limit is not None and granted >= limit):
-                k = len(n_all) - 1
-            else:
-                need.append(max(cdiv(min(c + n, max_model_len), block_size) - h, 0) if n > 0 else 0)
-                granted += n > 0
-    k = len(n_all) if k < 0 else k
-    for j, x in enumerate(need):
+        need.append(x)
         free -= x
         if free < 0:
-            f = j
-            break
-    return n_all, k, need, (k if f < 0 else f)
+            return n_all, need, len(need) - 1, True
+        spent += d
+        granted += n > 0
+    return n_all, need, len(need), False
 
 
 def victims_needed(freed_in_order: Array, free: int, need: int, self_pos: int) -> tuple[int, bool]:
@@ -239,15 +235,16 @@ def admission_walk(
     max_model_len: int,
     reserve: list | None = None,
 ) -> tuple[int, list, list]:
-    """:func:`admission` (without ``pad``) over host lists of ints, candidate by candidate:
-    the same ``(count, n, need)`` (``n`` and ``need`` of every candidate, as lists).  For a
-    CPU window of a few candidates (:data:`gpu_engine.xp.SCAN`) these plain-int steps cost
-    a fraction of the closed form's ~35 array calls; the CUDA path keeps the closed form."""
-    count, n_all, need_all = -1, [], []
+    """:func:`admission` (without ``pad``) over host lists of ints, candidate by candidate up
+    to the first that fails: the same ``count``, and ``n`` and ``need`` of the ``count``
+    admitted candidates (as lists).  For a CPU window of a few candidates these plain-int
+    steps cost a fraction of the closed form's ~35 array calls; the CUDA path keeps the
+    closed form."""
+    n_all, need_all = [], []
     spent = taken = 0  # excl(c)_j and excl(need)_j
     for j, (t, h, e) in enumerate(zip(num_tokens, num_hit_blocks, evictable_hits)):
-        hit, rem = h * block_size, t - h * block_size
-        c = min(rem, cap) if cap > 0 else rem
+        hit = h * block_size
+        c = min(t - hit, cap) if cap > 0 else t - hit
         left = max(budget - spent, 0)
         n = min(c, left)
         slots = min(hit + n, max_model_len)
@@ -257,16 +254,16 @@ def admission_walk(
         seen_free = free - taken
         wm = watermark if num_running + j > 0 else 0
         ok = left > 0 and need + wm <= seen_free and (chunked or c <= left)
-        if full_isl:
+        if ok and full_isl:
             fits = max(cdiv(min(t, max_model_len), block_size) - h, 0) + e + wm <= seen_free
-            ok = ok and (fits or (reserve is not None and reserve[j] > 0))
-        if not ok and count < 0:
-            count = j
+            ok = fits or (reserve is not None and reserve[j] > 0)
+        if not ok:
+            break
         n_all.append(n)
         need_all.append(need)
         spent += c
         taken += need
-    return (len(n_all) if count < 0 else count), n_all, need_all
+    return len(n_all), n_all, need_all
 
 
 # -- speculative decoding (knob num_speculative_tokens K > 0) ---------------------------------

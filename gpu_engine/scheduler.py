@@ -557,6 +557,12 @@ class Scheduler:
         """(rows, cols) of ``counts[i]`` consecutive block-table entries of each slot
         starting at ``offset[i]`` (or, reversed, ending just before ``offset[i]``).
         ``total`` (optional): ``sum(counts)``, known to the caller, with every count >= 1."""
+        if self.be.numpy and len(slots) <= xp.WALK:  # a few requests: the entries built on host ints
+            cnt = counts.tolist()
+            if total == len(slots) or (total is None and cnt.count(1) == len(cnt)):  # common: one block each
+                return slots, (offset - 1 if reverse else offset)
+            if sum(cnt) <= xp.SMALL:
+                return self._entries_host(slots.tolist(), cnt, offset.tolist(), reverse)
         if total is not None:
             one_each = total == len(slots)
         else:
@@ -567,6 +573,15 @@ class Scheduler:
         within = self.be.arange(len(rows)) - xp.repeat(xp.exclusive_cumsum(counts), counts)
         base = xp.repeat(offset, counts)
         return rows, (base - 1 - within if reverse else base + within)
+
+    def _entries_host(self, slots: list, counts: list, offset: list, reverse: bool):
+        """:meth:`_table_entries` of a few short runs, as host lists turned into arrays."""
+        rows = [s for s, k in zip(slots, counts) for _ in range(k)]
+        if reverse:
+            cols = [o - 1 - i for o, k in zip(offset, counts) for i in range(k)]
+        else:
+            cols = [o + i for o, k in zip(offset, counts) for i in range(k)]
+        return self.be.asarray(rows), self.be.asarray(cols)
 
     def _free_tables(self, slots: Array) -> None:
         """Free whole block tables, requests in the given order, each tail first."""
@@ -1153,15 +1168,15 @@ class Scheduler:
             seg = run[i:]
             comp = self.num_computed_tokens[seg]
             ntok = self.num_tokens[seg]
-            n, k, need, f, take = self._segment(seg, comp, ntok, budget, cap,
-                                                None if limit is None else limit - num_scheduled, early)
+            n, need, f, take, failed = self._segment(seg, comp, ntok, budget, cap,
+                                                     None if limit is None else limit - num_scheduled, early)
             ts, tn = seg[take], n[take]
             self._allocate_cached(ts, need[take], xp.minimum(comp[take] + tn, ntok[take]))
             seg_slots.append(ts)
             seg_n.append(tn)
             budget -= xp.total(tn)
             num_scheduled += len(ts)
-            if f == k:
+            if not failed:
                 break
             # -- preemption event at run[i + f] --
             p = i + f
@@ -1202,18 +1217,19 @@ class Scheduler:
         return self.be.cat(seg_slots), self.be.cat(seg_n), budget, unscheduled
 
     def _segment(self, seg: Array, comp: Array, ntok: Array, budget: int, cap: int, limit: int | None, early: bool):
-        """One segment of phase 1's walk, up to its first failed allocation: ``(n, k, need, f,
-        take)``, the grants, how many requests are reached (``limit``: while fewer were granted
-        tokens), the reached ones' new blocks, the first whose allocation fails (``k``: none) and
-        the positions before it granted tokens.  A short CPU segment (no async, drafts or at-risk
-        decodes) is walked on host ints (:func:`formulas.running_walk`, the same values)."""
+        """One segment of phase 1's walk, up to its first failed allocation: ``(n, need, f, take,
+        failed)``: grants and new blocks (of the reached requests, or at least up to ``f``), the
+        first request whose allocation fails (else the number reached; ``limit``: only while
+        fewer were granted tokens), the positions before it granted tokens, and whether one
+        failed.  A short CPU segment (no async, drafts or at-risk decodes) is walked on host
+        ints (:func:`formulas.running_walk`, the same values)."""
         c = self.config
-        if self.be.numpy and len(seg) <= xp.SCAN and not (self.asynchronous or self.num_spec or early):
-            n, k, need, f = F.running_walk(ntok.tolist(), comp.tolist(), self.num_blocks[seg].tolist(), budget=budget,
-                                           cap=cap, max_model_len=c.max_model_len, block_size=self.bs,
-                                           free=self.pool.num_free, limit=limit)
+        if self.be.numpy and len(seg) <= xp.WALK and not (self.asynchronous or self.num_spec or early):
+            n, need, f, failed = F.running_walk(ntok.tolist(), comp.tolist(), self.num_blocks[seg].tolist(),
+                                                budget=budget, cap=cap, max_model_len=c.max_model_len,
+                                                block_size=self.bs, free=self.pool.num_free, limit=limit)
             take = self.be.asarray([j for j in range(f) if n[j] > 0])
-            return self.be.asarray(n), k, self.be.asarray(need), f, take
+            return self.be.asarray(n), self.be.asarray(need), f, take, failed
         if self.asynchronous:
             demand = self._async_demand(seg, comp, ntok + self.proposed[seg] if self.num_spec else ntok, cap)
         elif self.num_spec:  # its proposed drafts too (spent once it is scheduled)
@@ -1228,7 +1244,7 @@ class Scheduler:
         k = xp.total(reached)  # reached is a prefix
         need = F.block_demand(comp[:k], n[:k], self.num_blocks[seg[:k]], self.bs, c.max_model_len)
         f = F.first_overflow(need, self.pool.num_free)
-        return n, k, need, f, xp.nonzero(n[:f] > 0)
+        return n, need, f, xp.nonzero(n[:f] > 0), f < k
 
     def _async_demand(self, seg: Array, comp: Array, ntok: Array, cap: int) -> Array:
         """Async scheduling: tokens in flight count as tokens to compute past (``num_tokens +
@@ -1406,7 +1422,7 @@ class Scheduler:
         walk = dict(budget=budget, free=self.pool.num_free, watermark=self.watermark_blocks,
                     num_running=len(self.running), cap=cap, chunked=c.enable_chunked_prefill,
                     full_isl=c.scheduler_reserve_full_isl, block_size=self.bs, max_model_len=c.max_model_len)
-        if self.be.numpy and not self.num_spec and len(cand) <= xp.SCAN:
+        if self.be.numpy and not self.num_spec and len(cand) <= xp.WALK:
             count, n, need = F.admission_walk(ntok.tolist(), nhit.tolist(), evictable.tolist(),
                                               reserve=None if reserve is None else reserve.tolist(), **walk)
             return count, self.be.asarray(n), self.be.asarray(need)

@@ -228,5 +228,8 @@ def nonzero_items(x: Array) -> tuple[list[int], list[int]]:
     return to_list(idx), to_list(x[idx])
 
 
+WALK = 16  # CPU windows / walk segments up to this length are walked on host ints (measured crossover ~16)
+
+
 def to_list(x: Array) -> list:
     return x.tolist()

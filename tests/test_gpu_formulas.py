@@ -262,8 +262,8 @@ def test_swap_in_walk(arr, cands, budget, free, watermark, running, cap, full_is
        mml=st.integers(8, 80), reserved=st.booleans())
 def test_admission_host_walk_equals_the_closed_form(cands, budget, free, watermark, running, cap, chunked, full_isl,
                                                      bs, mml, reserved):
-    """formulas.admission_walk (host ints) admits as many as vLLM's loop and gives every candidate
-    the same grant and block count as formulas.admission (with and without a reservation)."""
+    """formulas.admission_walk (host ints) admits as many as vLLM's loop and gives each admitted
+    candidate the same grant and block count as formulas.admission (with and without a reservation)."""
     if not reserved:
         cands = [c[:3] + (0,) for c in cands]
     ntok, nhit, evict, reserve, count = admission_walk(cands, budget, free, watermark, running, cap, chunked,
@@ -274,7 +274,7 @@ def test_admission_host_walk_equals_the_closed_form(cands, budget, free, waterma
     a = BACKENDS[0]
     want, n_cf, need_cf = F.admission(a(ntok), a(nhit) * bs, a(nhit), a(evict), reserve=a(reserve) if reserved else None, **kw)
     assert got == count == want
-    assert n == listify(n_cf) and need == listify(need_cf)
+    assert n == listify(n_cf)[:count] and need == listify(need_cf)[:count], "the admitted candidates' grants and blocks"
 
 
 @given(ntok=st.lists(st.integers(1, 60), min_size=1, max_size=12), data=st.data(), budget=st.integers(1, 80),
@@ -282,7 +282,8 @@ def test_admission_host_walk_equals_the_closed_form(cands, budget, free, waterma
        limit=st.one_of(st.none(), st.integers(0, 6)))
 def test_running_host_walk_equals_the_closed_forms(ntok, data, budget, cap, mml, bs, free, limit):
     """formulas.running_walk (host ints) equals token_demand, grant_tokens, block_demand and
-    first_overflow over one segment, the max_num_seqs limit on reached requests included."""
+    first_overflow over one segment up to its first failed allocation, the max_num_seqs limit
+    on reached requests included."""
     comp = [data.draw(st.integers(0, t - 1)) for t in ntok]
     held = [data.draw(st.integers(0, cdiv(c, bs) + 1)) for c in comp]
     a = BACKENDS[0]
@@ -292,6 +293,8 @@ def test_running_host_walk_equals_the_closed_forms(ntok, data, budget, cap, mml,
     k = int(reached.sum())
     need = F.block_demand(a(comp[:k]), n[:k], a(held[:k]), bs, mml)
     f = F.first_overflow(need, free)
-    got = F.running_walk(ntok, comp, held, budget=budget, cap=cap, max_model_len=mml, block_size=bs, free=free,
-                         limit=limit)
-    assert got == (listify(n), k, listify(need), f)
+    n_w, need_w, f_w, failed = F.running_walk(ntok, comp, held, budget=budget, cap=cap, max_model_len=mml,
+                                               block_size=bs, free=free, limit=limit)
+    assert (f_w, failed) == (f, f < k)
+    walked = f + 1 if failed else k  # (the walk stops at the first failed allocation)
+    assert n_w == listify(n)[:walked] and need_w == listify(need)[:walked]
