@@ -143,13 +143,22 @@ def steer(uncovered: list[str], index: int, profile: str | None = None) -> dict[
 
     With ``profile``, every trace names it, and steering never overrides a knob
     the profile fixes (a campaign against ``tgi`` stays a campaign against ``tgi``)."""
-    fixed = profile_knobs(profile) if profile else {}
-    targets = [opts for prefix, opts in STEERING.items() if any(r.startswith(prefix) for r in uncovered)]
-    targets += [opts for opts in rule_targets(uncovered) if opts not in targets]
-    if fixed:  # steering options that would change the profile are dropped
-        targets = [o for o in ({k: v for k, v in t.items() if k not in fixed} for t in targets) if o]
+    targets = _steer_targets(tuple(uncovered), profile)
     out = {} if not targets or index % 2 == 0 else dict(targets[(index // 2) % len(targets)])
     return {"profile": profile, **out} if profile else out
+
+
+@functools.lru_cache(maxsize=64)
+def _steer_targets(uncovered: tuple[str, ...], profile: str | None) -> tuple[dict[str, Any], ...]:
+    """The steering targets of :func:`steer`, in turn: the families with an uncovered rule, then
+    single rules.  The same for every trace of a round with the same profile (cached: a round
+    asks once per profile, not once per trace); callers copy the target they take."""
+    fixed = profile_knobs(profile) if profile else {}
+    targets = [opts for prefix, opts in STEERING.items() if any(r.startswith(prefix) for r in uncovered)]
+    targets += [opts for opts in rule_targets(list(uncovered)) if opts not in targets]
+    if fixed:  # steering options that would change the profile are dropped
+        targets = [o for o in ({k: v for k, v in t.items() if k not in fixed} for t in targets) if o]
+    return tuple(targets)
 
 
 def rule_targets(uncovered: list[str]) -> list[dict[str, Any]]:
