@@ -211,15 +211,19 @@ def _one_life(first: tuple[str, ...], second: tuple[str, ...]) -> Callable[[list
 # -- shaping: a drawn trace reworked towards an interaction (random_trace(..., interaction=NAME)) -------
 
 
-def _spec_facts(trace: Trace) -> list[StepFacts]:
-    """The facts of the spec's own run of ``trace`` ([] when it does not finish within its step limit)."""
+def _spec_facts(trace: Trace, decisions_only: bool = False) -> list[StepFacts]:
+    """The facts of the spec's own run of ``trace`` ([] when it does not finish within its step limit).
+    ``decisions_only``: records at the decisions level, without state fields (cheaper): the facts
+    that need memory fields (prefix hits, evictions, shared blocks) are then missing, the rules
+    and the waiting states (preempted, swapped, retracted) are all there."""
     from spec.config import resolve
     from spec.protocol import StepLimitError, drive
     from spec.scheduler import SpecEngine
 
     config = resolve(trace.config)
+    light = {"record_level": "decisions", "record_state": False} if decisions_only else {}
     try:
-        records = drive(SpecEngine.from_trace(trace, check_invariants=False), trace, config.max_steps)
+        records = drive(SpecEngine.from_trace(trace, check_invariants=False, **light), trace, config.max_steps)
     except StepLimitError:
         return []
     return step_facts(records, config.max_num_batched_tokens)
@@ -231,7 +235,7 @@ def _abort_while(states: tuple[str, ...]) -> Callable[[Trace, random.Random], Tr
     as its ``abort_at`` — the run before that step is unchanged, so the abort meets the state.
     Only a request with no earlier abort is picked (an earlier abort would change the history)."""
     def shape(trace: Trace, rng: random.Random) -> Trace:
-        facts = _spec_facts(trace)
+        facts = _spec_facts(trace, decisions_only=True)  # (the waiting states are decisions)
         by_id = {r.id: r for r in trace.requests}
         found = [(f.step, rid) for f in facts for rid, mine in sorted(f.by_request.items(), key=lambda kv: str(kv[0]))
                  if rid in by_id and mine.intersection(states)
