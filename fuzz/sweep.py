@@ -20,6 +20,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -260,6 +261,33 @@ def _sweep_job(trace: Trace, spec: ProfileSpec, rate: float, cost: CostModel, ov
     return summarize(result, slos), time.process_time() - t0, checked
 
 
+def _check_job(trace: Trace, spec: ProfileSpec, rate: float, cost: CostModel, overrides: dict[str, Any]) -> tuple[int, float]:
+    """A sampled check on its own (independent of the point's run): (steps compared, CPU seconds)."""
+    import time
+
+    t0 = time.process_time()
+    config = run_config(trace, spec, cost, overrides)
+    return check(scale_to_rate(trace, rate), config, cost, None, "sampled"), time.process_time() - t0
+
+
+#: Per worker process of a parallel sweep: the trace, sent once (not with every job).
+_TRACE: list = []
+
+
+def _keep_trace(trace: Trace) -> None:
+    """A worker's start: keep the trace; one torch thread.  (A worker forked from a process
+    whose torch already ran parallel code deadlocks in its first parallel torch op unless it
+    runs single-threaded; a simulation is single-threaded work anyway.)"""
+    _TRACE[:] = [trace]
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+
+
+def _pooled(job: Callable, *args):
+    """``job(trace, *args)`` in a worker, on the trace :func:`_keep_trace` kept."""
+    return job(_TRACE[0], *args)
+
+
 def sweep(trace: Trace, specs: list[ProfileSpec], rates: list[float], cost: CostModel, *,
           overrides: dict[str, Any] | None = None, slos: dict[str, float] | None = None, jobs: int = 1,
           stop_after_unbounded: int | None = 1, on_point: Callable[[SweepPoint], None] | None = None,
@@ -270,7 +298,8 @@ def sweep(trace: Trace, specs: list[ProfileSpec], rates: list[float], cost: Cost
     ``error`` and no runs.  With ``stop_after_unbounded = k``, once a profile's
     queue grew without bound at ``k`` rates, its higher rates are skipped
     (``skipped``): they can only be worse.  ``jobs`` worker processes run the
-    points, lowest rates first.
+    points, lowest rates first; highest first when every point runs
+    (``stop_after_unbounded=None``: see :func:`_sweep_parallel`).
 
     ``engine="gpu"`` simulates gpu_engine's decisions (:mod:`fuzz.sim_engine`);
     ``check_engine`` then compares them with the spec's: ``full`` every run whole,
@@ -326,27 +355,70 @@ def sweep(trace: Trace, specs: list[ProfileSpec], rates: list[float], cost: Cost
                 continue
             finish(SweepPoint(spec.text, rate, metrics, cpu_s=cpu, checked_steps=checked))
     else:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            queue = list(order)
-            running: dict[Future, tuple[ProfileSpec, float]] = {}
-            while queue or running:
-                while queue and len(running) < jobs:
-                    spec, rate = queue.pop(0)
-                    if beyond(spec, rate):
-                        finish(SweepPoint(spec.text, rate, skipped="beyond the capacity boundary"))
-                        continue
-                    running[pool.submit(_sweep_job, trace, spec, rate, cost, overrides, slos, engine,
-                                        check_mode(rate))] = (spec, rate)
-                done, _ = wait(running, return_when=FIRST_COMPLETED)
-                for future in done:
-                    spec, rate = running.pop(future)
-                    try:
-                        metrics, cpu, checked = future.result()
-                        finish(SweepPoint(spec.text, rate, metrics, cpu_s=cpu, checked_steps=checked))
-                    except Exception as e:  # a run failed (stall, step limit): report it, keep sweeping
-                        finish(SweepPoint(spec.text, rate, error=f"{type(e).__name__}: {e}"))
+        _sweep_parallel(trace, order, cost, overrides, slos, jobs, engine, check_mode, beyond, finish,
+                        by_cost=stop_after_unbounded is None)
     order_index = {spec.text: i for i, spec in enumerate(specs)}
     return sorted(points.values(), key=lambda p: (order_index.get(p.profile, 0), p.rate if not math.isnan(p.rate) else -1))
+
+
+def _sweep_parallel(trace: Trace, order: list[tuple[ProfileSpec, float]], cost: CostModel, overrides: dict[str, Any],
+                    slos: dict[str, float], jobs: int, engine: str, check_mode: Callable[[float], str],
+                    beyond: Callable[[ProfileSpec, float], bool], finish: Callable[[SweepPoint], None],
+                    by_cost: bool) -> None:
+    """:func:`sweep`'s points in ``jobs`` worker processes (the trace sent to each once).
+
+    A sampled check is a job of its own (it simulates a window, not the point's run), so the
+    two workers share it.  ``by_cost`` (every point runs: no skipping beyond the capacity
+    boundary): the highest rates first, the short checks last — the longest jobs start
+    first, so the workers finish together; otherwise ascending rates, as the skipping
+    needs.  A point is finished when its run and its check are both done."""
+    tasks = [("run", spec, rate) for spec, rate in order]
+    checks = [("check", spec, rate) for spec, rate in order if check_mode(rate) == "sampled"]
+    if by_cost:
+        tasks = sorted(tasks, key=lambda t: -t[2]) + checks
+    else:  # each check right after its run (dropped with it when the run is skipped)
+        tasks = [t for run in tasks for t in [run] + [c for c in checks if c[1:] == run[1:]]]
+    pending: dict[tuple[str, float], dict] = {}  # (profile, rate) -> the parts done so far
+    skipped: set[tuple[str, float]] = set()
+
+    def done(spec: ProfileSpec, rate: float, **part) -> None:
+        got = pending.setdefault((spec.text, rate), {})
+        got.update(part)
+        if "run" not in got or (check_mode(rate) == "sampled" and "check" not in got):
+            return
+        del pending[(spec.text, rate)]
+        run, chk = got["run"], got.get("check", (0, 0.0))
+        if isinstance(run, Exception) or isinstance(chk, Exception):
+            e = run if isinstance(run, Exception) else chk  # a run failed (stall, step limit) or differs: report it
+            finish(SweepPoint(spec.text, rate, error=f"{type(e).__name__}: {e}"))
+        else:
+            metrics, cpu, checked = run
+            finish(SweepPoint(spec.text, rate, metrics, cpu_s=cpu + chk[1], checked_steps=checked + chk[0]))
+
+    with ProcessPoolExecutor(max_workers=jobs, initializer=_keep_trace, initargs=(trace,)) as pool:
+        running: dict[Future, tuple[str, ProfileSpec, float]] = {}
+        while tasks or running:
+            while tasks and len(running) < jobs:
+                kind, spec, rate = tasks.pop(0)
+                if (spec.text, rate) in skipped:
+                    continue
+                if kind == "run" and beyond(spec, rate):
+                    skipped.add((spec.text, rate))
+                    finish(SweepPoint(spec.text, rate, skipped="beyond the capacity boundary"))
+                    continue
+                if kind == "run":
+                    mode = "off" if check_mode(rate) == "sampled" else check_mode(rate)
+                    future = pool.submit(_pooled, _sweep_job, spec, rate, cost, overrides, slos, engine, mode)
+                else:
+                    future = pool.submit(_pooled, _check_job, spec, rate, cost, overrides)
+                running[future] = (kind, spec, rate)
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                kind, spec, rate = running.pop(future)
+                try:
+                    done(spec, rate, **{kind: future.result()})
+                except Exception as e:
+                    done(spec, rate, **{kind: e})
 
 
 def capacity(points: list[SweepPoint], slo_s: float) -> dict[str, Capacity]:

@@ -109,6 +109,32 @@ def test_sweep_on_gpu_engine_gives_the_spec_sweeps_metrics(azure):
     assert [p.checked_steps > 0 for p in ours] == [True, False, True]  # lowest and highest rate
 
 
+def test_a_parallel_gpu_sweep_equals_the_serial_one_with_its_checks_as_jobs(azure, monkeypatch):
+    """Two workers, the sampled checks as jobs of their own, highest rates first (every point
+    runs) or ascending (skipping beyond the boundary): the serial sweep's points, checks
+    included; a check that fails in a worker makes its point an error."""
+    import multiprocessing
+
+    specs = [parse_profile_spec("vllm-v1")]
+    rates = [1.0, 6.0, 30.0]
+    for stop in (1, None):
+        serial = sweep(azure, specs, rates, COST, engine="gpu", check_engine="sampled", stop_after_unbounded=stop)
+        seen = []
+        parallel = sweep(azure, specs, rates, COST, jobs=2, engine="gpu", check_engine="sampled",
+                         stop_after_unbounded=stop, on_point=seen.append)
+        assert [(p.rate, p.metrics, p.checked_steps, p.skipped) for p in parallel] == \
+            [(p.rate, p.metrics, p.checked_steps, p.skipped) for p in serial]
+        assert sorted(p.rate for p in seen) == rates
+    assert [p.checked_steps > 0 for p in parallel] == [True, False, True]  # (every point ran: stop None)
+    if multiprocessing.get_start_method() != "fork":
+        pytest.skip("the failing check is planted by a monkeypatch, which only forked workers inherit")
+    real = SE._span_step_ns
+    monkeypatch.setattr(SE, "_span_step_ns", lambda cost, d, kv0, k: real(cost, d, kv0 + 1, k))  # one KV token off
+    broken = sweep(azure, specs, rates, COST, jobs=2, engine="gpu", check_engine="sampled", stop_after_unbounded=None)
+    assert [p.error is not None and "EngineMismatch" in p.error for p in broken] == [True, False, True]
+    assert broken[1].metrics is not None
+
+
 def test_cli_simulate_engine_gpu_reports_the_check(tmp_path, capsys):
     code = sim_cli.main(["simulate", str(AZURE), "--first", "150", "--engine", "gpu", "--check-engine", "full",
                          "--json", str(tmp_path / "m.json")])
