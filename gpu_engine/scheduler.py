@@ -222,6 +222,9 @@ class Scheduler:
         self._slack = None  # (sampling slots, clock, min(stop_at - num_tokens)) of the last update
         self._empty = self.be.empty_int()  # a step's empty phases (shared: nothing writes into a 0-length array)
         self._plan = None  # a steady decode streak's block events by phase: see _phase_plan
+        # knobs under which a steady step with nothing waiting is phase 1 alone (:meth:`_steady_step`)
+        self._steady_knobs = not (self.continues or self.plan_hold or self.slo or self.estimate
+                                  or c.slo_admission != "off" or (self.leaf_lru and c.batching == "prefill-first"))
         self.log_state = False  # the engine logs the optional state fields (set by GpuEngine)
         self.registered: dict[str, list[int]] = {}  # logged state: request -> block ordinals registered this step
         # async scheduling: a step's sampled tokens are known one step later; until then each is a
@@ -804,6 +807,10 @@ class Scheduler:
         * "static": phase 2 only into an empty engine (nothing running at the start
           of the step), phase 1 otherwise.
         """
+        if self.steady and self._steady_knobs and not (self.num_waiting or self.num_swapped or self.stash):
+            batch = self._steady_step()
+            if batch is not None:
+                return batch
         c = self.config
         self.pool.evicted = []
         if self.stash:  # CACHE.REGISTER_PREFILL_AND_FINISH: the last step's cut prefills, still running
@@ -876,6 +883,35 @@ class Scheduler:
             self.cut = [(s, self.ids[s]) for s in xp.to_list(slots[~samples])] if not batch.all_sample else []
         self.steady = (batch.all_sample and not batch.preempted and len(slots) == len(self.running)
                        and not self.asynchronous and not self.num_spec)  # (the steady closed form: one known token each)
+        return batch
+
+    def _steady_step(self) -> Batch | None:
+        """:meth:`schedule` of a steady decode step with nothing waiting, swapped out or stashed,
+        under knobs whose other phases then have nothing to do (``_steady_knobs``): phase 1's
+        :meth:`_decode_all` and its bookkeeping alone, without walking the phase gates.  None
+        (nothing changed) when its allocation would fail: the full schedule then runs."""
+        c, run = self.config, self.running
+        budget = c.max_num_batched_tokens
+        if len(run) > budget or (self.step_scope and len(run) > c.max_num_seqs):
+            return None
+        self.pool.evicted = []
+        fast = self._decode_all(budget)
+        if fast is None:
+            return None
+        cap = c.long_prefill_token_threshold if len(run) > 1 else 0  # (what schedule() would note)
+        if cap and c.long_prefill_token_threshold_adaptive:
+            cap = max(cap, budget // len(run))
+        slots, n = fast[0], fast[1]
+        batch = Batch(slots, n, self._empty, self._empty, all_sample=True,
+                      token_cap=cap if c.long_prefill_token_threshold else None)
+        self._pre_batch = len(run)
+        if self.tc is not None:  # VTC.CHARGE, before the step's computed tokens move
+            self._charge(slots, self.num_computed_tokens[slots], n)
+        ntok, batch.start, batch.samples = self._steady_batch
+        self._steady_batch = None
+        self.num_computed_tokens[slots] = ntok
+        if self.abort_after_sample:  # (nothing was cut)
+            self.cut = []
         return batch
 
     def _schedule_drafts(self, batch: Batch, slots: Array, n: Array, start: Array, samples: Array,
@@ -1353,6 +1389,8 @@ class Scheduler:
         ``scheduled``: requests already in this step's batch (:meth:`_room`,
         ADMIT.CHUNK_ONLY_FIRST)."""
         self._note_cap(batch, cap)
+        if budget <= 0 or self._room(scheduled) <= 0:  # no round would run (nothing else below has effects)
+            return self._empty, self._empty, budget
         c = self.config
         out_slots, out_n = [], []
         continued = continued if continued is not None else (self._empty, self._empty)

@@ -18,6 +18,7 @@ import torch
 Array = Union[np.ndarray, torch.Tensor]
 INT = torch.int64
 BOOL = torch.bool
+NP_INT, NP_BOOL = np.dtype(np.int64), np.dtype(np.bool_)  # (dtype objects: no per-call dtype lookup)
 
 
 def is_np(x: Any) -> bool:
@@ -52,7 +53,7 @@ class Backend:
     # -- construction --
     def asarray(self, values, dtype=INT) -> Array:
         if self.numpy:
-            return np.asarray(values, dtype=np.bool_ if dtype is torch.bool else np.int64)
+            return np.asarray(values, NP_BOOL if dtype is torch.bool else NP_INT)
         return torch.as_tensor(values, dtype=dtype, device=self.device)
 
     def arange(self, n: int, start: int = 0) -> Array:
