@@ -13,7 +13,6 @@ Two modes:
 from __future__ import annotations
 
 import dataclasses
-from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -454,7 +453,7 @@ class GpuEngine:
             rec.hit_blocks = batch.hit_blocks
             rec.ref_counts = self._ref_counts(s.pool.ref_cnt)  # the pool's own reference counts, not the tables'
             if s.caching:  # the pool's own cache map: the block of each hash entry
-                rec.cached_blocks = sorted(chain.from_iterable(s.pool.cached.values()))
+                rec.cached_blocks = sorted(s.pool.cached_blocks())
 
     def _ref_counts(self, ref_cnt) -> dict[str, int]:
         """Block id (as a string) -> reference count of each referenced block, in block order.
