@@ -560,18 +560,20 @@ class Scheduler:
         """(rows, cols) of ``counts[i]`` consecutive block-table entries of each slot
         starting at ``offset[i]`` (or, reversed, ending just before ``offset[i]``).
         ``total`` (optional): ``sum(counts)``, known to the caller, with every count >= 1."""
-        if self.be.numpy and len(slots) <= xp.WALK:  # a few requests: the entries built on host ints
-            cnt = counts.tolist()
-            if total == len(slots) or (total is None and cnt.count(1) == len(cnt)):  # common: one block each
-                return slots, (offset - 1 if reverse else offset)
-            if sum(cnt) <= xp.SMALL:
-                return self._entries_host(slots.tolist(), cnt, offset.tolist(), reverse)
+        few = self.be.numpy and len(slots) <= xp.WALK  # a few CPU requests: counts read on the host
+        cnt = counts.tolist() if few and total is None else None
         if total is not None:
             one_each = total == len(slots)
+        elif few:
+            one_each = len(cnt) > 0 and cnt.count(1) == len(cnt)
         else:
             one_each = len(counts) and int(counts.min()) == 1 and int(counts.max()) == 1
         if one_each:  # common: one block each
             return slots, (offset - 1 if reverse else offset)
+        if few:
+            cnt = cnt if cnt is not None else counts.tolist()
+            if sum(cnt) <= xp.SMALL:  # short runs: built on host ints
+                return self._entries_host(slots.tolist(), cnt, offset.tolist(), reverse)
         rows = xp.repeat(slots, counts)
         within = self.be.arange(len(rows)) - xp.repeat(xp.exclusive_cumsum(counts), counts)
         base = xp.repeat(offset, counts)
@@ -1391,7 +1393,6 @@ class Scheduler:
         self._note_cap(batch, cap)
         if budget <= 0 or self._room(scheduled) <= 0:  # no round would run (nothing else below has effects)
             return self._empty, self._empty, budget
-        c = self.config
         out_slots, out_n = [], []
         continued = continued if continued is not None else (self._empty, self._empty)
         rem = None
@@ -2010,16 +2011,17 @@ class Scheduler:
             return 0, []
         nout = xp.to_list(self.num_output_tokens[run])
         eos_ok = xp.to_list(self.ignore_eos[run] == 0)
-        toks = []
+        toks, rows = [], []  # each request's tokens as a list (hashing), and as given (written back)
         for s, o, e in zip(slots, nout, eos_ok):
-            out = outputs(s, o, k)
-            out = out.tolist() if isinstance(out, np.ndarray) else list(out)
+            got = outputs(s, o, k)
+            out = got.tolist() if isinstance(got, np.ndarray) else list(got)
             stops = set(self._stops(self.sources[s]))
             if e:
                 stops.add(self.eos_token_id)
             if stops and not stops.isdisjoint(out[:k]):  # cut before the first step that samples one
                 k = next(j for j, tok in enumerate(out[:k]) if tok in stops)
             toks.append(out)
+            rows.append(got if isinstance(got, np.ndarray) else out)
         held = xp.to_list(self.num_blocks[run])
         rank = self._span_order(run, k) if self.edf else range(len(slots))
         if rank is None:
@@ -2051,7 +2053,7 @@ class Scheduler:
             self.last_token[run] = self.clock + k - 1
         for i, s in enumerate(slots):
             ti = t[i]
-            self.token_ids[s, ti:ti + k] = self.be.asarray(toks[i][:k])
+            self.token_ids[s, ti:ti + k] = self.be.asarray(rows[i][:k])  # (an array: no list to convert)
             self.num_blocks[s] = max(held[i], cdiv(ti + k - 1, bs))
         self.num_tokens[run] += k
         self.num_output_tokens[run] += k
@@ -2099,8 +2101,8 @@ class Scheduler:
                 self.num_cached_blocks[s] = (ti + k - 1) // bs
         regs.sort()
         if regs:
-            self.pool.register([int(self.block_table[slots[i], m]) for _, _, i, m in regs],
-                               [self.hashes[slots[i]][m] for _, _, i, m in regs])
+            rows, cols = self.be.asarray([slots[i] for _, _, i, _ in regs]), self.be.asarray([m for _, _, _, m in regs])
+            self.pool.register(self.block_table[rows, cols], [self.hashes[slots[i]][m] for _, _, i, m in regs])
 
     # ------------------------------------------------------------------ views for records
 

@@ -47,3 +47,28 @@ def test_steady_streaks_agree_with_the_spec(monkeypatch, knobs, late, planned):
     result = replay(streak_trace(knobs, late), "gpu", "exact", after=None)
     assert result.agreed, result.describe()
     assert any(used) == planned  # the plan ran (or, under full reservation, stayed off)
+
+
+@pytest.mark.parametrize("knobs", [
+    {"enable_prefix_caching": True},
+    {"policy": "vtc", "tenant_weights": "a=2"},  # VTC charges the steady batch
+    {"long_prefill_token_threshold": 8, "long_prefill_token_threshold_adaptive": True},  # the logged cap
+    {"abort_running": "after-next-sample"},
+    {"batching": "static"},
+])
+def test_steady_steps_skip_the_phase_gates_and_agree_with_the_spec(monkeypatch, knobs):
+    """Scheduler._steady_step: a steady decode step with nothing waiting runs phase 1 alone, and the
+    log (exact level, with the optional state fields) still equals the spec's, arrivals and aborts
+    in the middle of the streak included."""
+    taken = []
+    real = Scheduler._steady_step
+
+    def counting(self):
+        batch = real(self)
+        taken.append(batch is not None)
+        return batch
+
+    monkeypatch.setattr(Scheduler, "_steady_step", counting)
+    result = replay(streak_trace(knobs, late=True), "gpu", "exact", after=None)
+    assert result.agreed, result.describe()
+    assert sum(taken) > 20, "the fast path ran for most of the streak"
