@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
+from array import array
 from collections import defaultdict
 from typing import Callable
 
@@ -414,18 +415,20 @@ def _span(engine, result: SimResult, tracker: BatchTracker, cost: CostModel, now
             tracker.computed[rid] += k
             tracker.outputs[rid] += k
         result.tenant_service[tenant_of[rid]] += k
-    # (the int64 arrays' bytes straight into SimResult's array("q") fields: no list of k * R ints)
-    result.itl_ns.frombytes(np.repeat(step_ns, decodes).astype(np.int64, copy=False).tobytes())
+    # (each per-step series is written whole, from C: the int64 arrays' bytes straight into
+    # SimResult's array("q") fields, a repeated array("l") into the count series)
+    result.itl_ns.frombytes((step_ns if decodes == 1 else np.repeat(step_ns, decodes)).tobytes())
     result.decode_tokens += decodes * k
     result.steps += k
-    result.step_end_ns.frombytes(ends.astype(np.int64, copy=False).tobytes())
-    result.step_ns.frombytes(step_ns.astype(np.int64, copy=False).tobytes())
-    result.in_system.extend([in_system] * k)
-    result.running.extend([num_running] * k)
+    result.step_end_ns.frombytes(ends.tobytes())
+    result.step_ns.frombytes(step_ns.tobytes())
+    result.in_system += array("l", (in_system,)) * k
+    result.running += array("l", (num_running,)) * k
     if usable_blocks is None:
-        result.used_blocks.extend([-1] * k)
-    else:
-        result.used_blocks.extend((usable_blocks - free0 + np.cumsum(allocs)).tolist())
+        result.used_blocks += array("l", (-1,)) * k
+    else:  # (C longs, the array's own item type)
+        used = np.asarray(allocs, dtype=np.int64).cumsum() + (usable_blocks - free0)
+        result.used_blocks.frombytes(used.astype("l", copy=False).tobytes())
     return k
 
 

@@ -15,6 +15,7 @@ and tear down: that was 12-18% of a capacity sweep).
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 
 from gpu_engine import xp
 from gpu_engine.formulas import free_order
@@ -193,14 +194,11 @@ class BlockPool:
             self._register_latest(ids, hashes)
             return
         self.block_hash[self.be.asarray(blocks) if isinstance(blocks, list) else blocks] = self.be.asarray(hashes)
-        entry = self.entry
-        if entry.keys().isdisjoint(hashes) and len(set(hashes)) == len(hashes):
-            entry.update(zip(hashes, ids))  # every hash new (the common case): one C-level pass
-            return
-        for b, h in zip(ids, hashes):
-            first = entry.setdefault(h, b)
-            if first != b:  # a duplicate: after the blocks already carrying h
-                self.duplicates.setdefault(h, {})[b] = None
+        firsts = list(map(self.entry.setdefault, hashes, ids))  # (in order, in C) each hash's earliest block
+        if firsts != ids:  # (rare) duplicates: after the blocks already carrying their hash
+            for b, h, first in zip(ids, hashes, firsts):
+                if first != b:
+                    self.duplicates.setdefault(h, {})[b] = None
 
     def _register_latest(self, blocks: list[int], hashes: list[int]) -> None:
         """CACHE.LATEST_WINS: in order, each block takes its hash over from the blocks that
@@ -218,8 +216,7 @@ class BlockPool:
         hash's next duplicate, if any, becomes its entry."""
         entry = self.entry
         if not self.duplicates:  # every hash has one block, the evicted one
-            for h in hashes:
-                del entry[h]
+            deque(map(entry.__delitem__, hashes), maxlen=0)  # (del entry[h] for each, in C)
             return
         for b, h in zip(blocks, hashes):
             more = self.duplicates.get(h)

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 from collections import Counter
 from collections.abc import Sequence as _Sequence
 from dataclasses import dataclass, field
@@ -271,7 +272,7 @@ def summarize(result: SimResult, slos: dict[str, float] | None = None) -> Metric
         weights = result.step_ns
         busy = sum(weights)
         used = result.used_blocks
-        kv_mean = (sum(u * w for u, w in zip(used, weights)) / busy if busy else 0.0) / result.usable_blocks
+        kv_mean = (sum(map(operator.mul, used, weights)) / busy if busy else 0.0) / result.usable_blocks
         kv_peak = max(used) / result.usable_blocks
     tenants = _tenants(result, ttft)
     classes, attainment, slo_goodput = _slo_attainment(times, ttft, tpot, duration)
