@@ -128,7 +128,8 @@ def _budget_charged_differently():
         c = demand.clip(min=0)
         left = (budget - xp.exclusive_cumsum(c + 1)).clip(min=0)  # BUG: charges one token more than runs
         return xp.minimum(c, left), left > 0
-    return [(F, "grant_tokens", grant_tokens)]
+    # the same bug in the host walk of a short CPU segment (formulas.running_walk)
+    return [(F, "grant_tokens", grant_tokens)] + source_patch(F, "running_walk", "spent += d", "spent += d + 1")
 
 
 def _reinsertion_reversed():
@@ -180,8 +181,12 @@ def _lone_request_capped():
     def fix(cap, self):
         return cap or self.config.long_prefill_token_threshold  # BUG: caps a request that is alone
 
+    # (a steady step with nothing waiting notes its cap without phase 1's entry: the same bug there)
+    steady = source_patch(Scheduler, "_steady_step", "token_cap=cap if c.long_prefill_token_threshold else None",
+                          "token_cap=(cap or c.long_prefill_token_threshold) if c.long_prefill_token_threshold else None")
     return [(Scheduler, "_schedule_running", lambda self, b, budget, cap, *rest: run(self, b, budget, fix(cap, self), *rest)),
-            (Scheduler, "_schedule_waiting", lambda self, b, budget, cap, *rest: wait(self, b, budget, fix(cap, self), *rest))]
+            (Scheduler, "_schedule_waiting", lambda self, b, budget, cap, *rest: wait(self, b, budget, fix(cap, self), *rest))
+            ] + steady
 
 
 def _length_before_eos():
