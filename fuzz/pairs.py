@@ -48,6 +48,10 @@ class StepFacts:
     by_request: dict[str | None, set[str]] = field(default_factory=dict)
     fired: set[str] = field(default_factory=set)
 
+    def __post_init__(self) -> None:
+        if self.by_request and not self.fired:  # built from ``by_request`` alone
+            self.fired = set().union(*self.by_request.values())
+
     def add(self, rule: str, request: str | None = None) -> None:
         self.by_request.setdefault(request, set()).add(rule)
         self.fired.add(rule)
