@@ -555,6 +555,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ memory helpers
 
+    def _walks(self, n: int) -> bool:
+        """Whether a CPU window or walk segment of ``n`` requests is walked on host ints
+        (:func:`formulas.admission_walk`, :func:`formulas.running_walk`): when short, on even
+        steps.  Odd steps run the closed forms, which are all the CUDA path runs, so that a
+        fuzz campaign on CPU checks both implementations of the same decision."""
+        return self.be.numpy and n <= xp.WALK and self.clock % 2 == 0
+
     def _table_entries(self, slots: Array, counts: Array, offset: Array, reverse: bool = False,
                        total: int | None = None):
         """(rows, cols) of ``counts[i]`` consecutive block-table entries of each slot
@@ -1262,7 +1269,7 @@ class Scheduler:
         failed.  A short CPU segment (no async, drafts or at-risk decodes) is walked on host
         ints (:func:`formulas.running_walk`, the same values)."""
         c = self.config
-        if self.be.numpy and len(seg) <= xp.WALK and not (self.asynchronous or self.num_spec or early):
+        if self._walks(len(seg)) and not (self.asynchronous or self.num_spec or early):
             n, need, f, failed = F.running_walk(ntok.tolist(), comp.tolist(), self.num_blocks[seg].tolist(),
                                                 budget=budget, cap=cap, max_model_len=c.max_model_len,
                                                 block_size=self.bs, free=self.pool.num_free, limit=limit)
@@ -1461,7 +1468,7 @@ class Scheduler:
         walk = dict(budget=budget, free=self.pool.num_free, watermark=self.watermark_blocks,
                     num_running=len(self.running), cap=cap, chunked=c.enable_chunked_prefill,
                     full_isl=c.scheduler_reserve_full_isl, block_size=self.bs, max_model_len=c.max_model_len)
-        if self.be.numpy and not self.num_spec and len(cand) <= xp.WALK:
+        if self._walks(len(cand)) and not self.num_spec:
             count, n, need = F.admission_walk(ntok.tolist(), nhit.tolist(), evictable.tolist(),
                                               reserve=None if reserve is None else reserve.tolist(), **walk)
             return count, self.be.asarray(n), self.be.asarray(need)

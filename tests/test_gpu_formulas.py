@@ -298,3 +298,25 @@ def test_running_host_walk_equals_the_closed_forms(ntok, data, budget, cap, mml,
     assert (f_w, failed) == (f, f < k)
     walked = f + 1 if failed else k  # (the walk stops at the first failed allocation)
     assert n_w == listify(n)[:walked] and need_w == listify(need)[:walked]
+
+
+@pytest.mark.parametrize("formula", ["grant_tokens", "admission"])
+def test_cpu_fuzzing_still_runs_the_closed_forms_the_cuda_path_runs(monkeypatch, formula):
+    """Short CPU windows are walked on host ints, but only on even steps: a bug planted in the
+    closed form alone (which is all a CUDA run uses) must still make CPU replays diverge."""
+    import fuzz.engines  # noqa: F401  (registers gpu)
+    from fuzz.generate import random_trace
+    from fuzz.replay import replay
+
+    orig = getattr(F, formula)
+    if formula == "grant_tokens":
+        def planted(demand, budget):  # charges one token more than is scheduled
+            c = demand.clip(min=0)
+            left = (budget - F.xp.exclusive_cumsum(c + 1)).clip(min=0)
+            return F.xp.minimum(c, left), left > 0
+    else:
+        def planted(*args, **kw):  # admission without the watermark
+            return orig(*args, **{**kw, "watermark": 0})
+    monkeypatch.setattr(F, formula, planted)
+    assert any(replay(random_trace(seed), "gpu", "exact").divergence is not None for seed in range(80)), (
+        f"a bug in formulas.{formula} went unseen by 80 CPU replays: the closed form never ran")
