@@ -710,8 +710,7 @@ class Scheduler:
         new = []
         for i in range(lo, hi):
             h = self.hashes[s][i]
-            same = self.pool.cached.get(h)
-            first = next(iter(same)) if same else None
+            first = self.pool.entry.get(h)  # the earliest cached block with this hash
             if first is not None and first != int(self.block_table[s, i]):
                 self._rebind(s, i, first)
             else:
