@@ -18,10 +18,15 @@ these machines are shared, so CPU time is the steadier figure):
    ``--jobs`` workers (what ``batchspec sweep`` runs), on gpu_engine's decisions
    (``--engine gpu``, with its sampled check against the spec) and, with
    ``--spec-sweep``, on the spec's (minutes); the capacity figures of both.
+   ``--sweep-before REV``: instead, the same sweep by the tree as committed at REV
+   and by the working tree, side by side (each in a child process, alternating
+   ``--rounds`` times): wall and CPU of each, their ratio, and whether every rate's
+   metrics are identical.
 
 Usage::
 
     python benchmarks/bench_simulator.py [--requests 2000] [--repeats 2] [--jobs 2] [--skip-sweep] [--spec-sweep]
+    python benchmarks/bench_simulator.py --skip-side-by-side --skip-whole --sweep-before REV [--rounds 2]
 """
 from __future__ import annotations
 
@@ -151,6 +156,56 @@ def sweep_timing(jobs: int, engine: str = "spec", check: str = "sampled", out=pr
             "metrics": [p.metrics for p in points], "checked": checked}
 
 
+#: Run in a child process: one --engine gpu sweep by the tree at argv[1], its figures and a digest of its metrics as JSON.
+SWEEP_CHILD = r"""
+import hashlib, json, sys, time
+sys.path.insert(0, sys.argv[1])
+from fuzz.importers import import_trace
+from fuzz.sweep import parse_profile_spec, sweep
+from spec.costmodel import preset
+trace, _ = import_trace(sys.argv[2])
+rates = json.loads(sys.argv[4])
+t0 = time.perf_counter()
+points = sweep(trace, [parse_profile_spec("vllm-v1")], rates, preset(sys.argv[3]), jobs=int(sys.argv[5]),
+               stop_after_unbounded=None, slos={"ttft": 2.0}, engine="gpu", check_engine="sampled")
+wall = time.perf_counter() - t0
+print(json.dumps({"wall": wall, "cpu": sum(p.cpu_s for p in points), "errors": [p.error for p in points if p.error],
+                  "checked": sum(p.checked_steps for p in points),
+                  "digest": hashlib.sha256(repr([p.metrics for p in points]).encode()).hexdigest()}))
+"""
+
+
+def sweep_side_by_side(rev: str, jobs: int, rounds: int) -> None:
+    """The --engine gpu sweep by the tree at ``rev`` and by the working tree, alternating child processes."""
+    before = Path(tempfile.mkdtemp(prefix="bench-sweep-"))
+    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(before)], input=archive, check=True)
+    rows: dict[str, list[dict]] = {f"at {rev}": [], "working tree": []}
+    try:
+        for _ in range(rounds):
+            for (name, runs), tree in zip(rows.items(), (before, ROOT)):
+                proc = subprocess.run([sys.executable, "-c", SWEEP_CHILD, str(tree), str(TRACE), COST, json.dumps(RATES),
+                                       str(jobs)], capture_output=True, text=True)
+                if proc.returncode:
+                    raise RuntimeError(proc.stderr)
+                runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+                runs[-1]["load"] = os.getloadavg()[0]
+    finally:
+        shutil.rmtree(before, ignore_errors=True)
+    print(f"\n## sweep side by side: vllm-v1 over {len(RATES)} rates, {jobs} workers, --engine gpu --check-engine sampled, "
+          f"{rounds} alternating rounds")
+    print(f"{'tree':<22} {'wall s':>8} {'CPU s':>8} {'load':>6} {'steps checked':>14}")
+    for name, runs in rows.items():
+        for r in runs:
+            print(f"{name:<22} {r['wall']:>8.1f} {r['cpu']:>8.1f} {r['load']:>6.1f} {r['checked']:>14,}")
+    (a, b) = ([min(r[k] for r in runs) for k in ("wall", "cpu")] for runs in rows.values())
+    same = len({r["digest"] for runs in rows.values() for r in runs}) == 1
+    errors = [e for runs in rows.values() for r in runs for e in r["errors"]]
+    print(f"best of {rounds}: wall {a[0]:.1f} -> {b[0]:.1f} s ({a[0] / b[0]:.2f}x), CPU {a[1]:.1f} -> {b[1]:.1f} s "
+          f"({a[1] / b[1]:.2f}x); metrics at every rate identical: {'yes' if same else 'NO'}"
+          + (f"; errors: {errors}" if errors else ""))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=2000, help="requests in the side-by-side runs")
@@ -162,6 +217,9 @@ def main() -> None:
     ap.add_argument("--skip-whole", action="store_true")
     ap.add_argument("--skip-sweep", action="store_true")
     ap.add_argument("--spec-sweep", action="store_true", help="also sweep on the spec's decisions (minutes) and compare")
+    ap.add_argument("--sweep-before", metavar="REV",
+                    help="instead: the --engine gpu sweep by the tree at REV and by the working tree, side by side")
+    ap.add_argument("--rounds", type=int, default=1, help="alternating rounds of --sweep-before")
     args = ap.parse_args()
     print(f"python {platform.python_version()}, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.1f}")
@@ -169,7 +227,9 @@ def main() -> None:
         side_by_side(args.requests, args.repeats, args.before)
     if not args.skip_whole:
         whole_sample()
-    if not args.skip_sweep:
+    if args.sweep_before:
+        sweep_side_by_side(args.sweep_before, args.jobs, args.rounds)
+    elif not args.skip_sweep:
         gpu = sweep_timing(args.jobs, "gpu")
         if args.spec_sweep:
             spec = sweep_timing(args.jobs, "spec")
