@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Protocol
 
 from spec.config import SchedulerConfig
@@ -84,6 +84,11 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None
+    #: the block id as the step record's ``ref_counts`` keys it (a JSON object key), made once, not every step
+    log_key: str = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.log_key = str(self.block_id)
 
 
 class FreeBlockQueue:

@@ -76,7 +76,9 @@ class PriorityQueue:
         return len(self._heap)
 
     def __iter__(self) -> Iterator:
-        return (entry[-1] for entry in sorted(self._heap, key=lambda e: e[:-1]))
+        # entries sort as the heap orders them: the keys are unique (they end with the
+        # request id), so a comparison never reaches the request itself
+        return iter([entry[-1] for entry in sorted(self._heap)])
 
     @rule("QUEUE.PRIORITY", knobs=("policy",))
     def add(self, req: Queued) -> None:

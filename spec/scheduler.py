@@ -2049,7 +2049,7 @@ class SpecEngine:
         if self.record_level == "exact":
             record.hit_blocks = out.hit_blocks
             # each held block's reference count, read from the block (KV.FREE_ORDER, CACHE.TOUCH)
-            record.ref_counts = {str(b.block_id): b.ref_cnt for t in self.kv.req_blocks.values() for b in t}
+            record.ref_counts = {b.log_key: b.ref_cnt for t in self.kv.req_blocks.values() for b in t}
             cache = getattr(self.kv.pool, "cached", None)  # hash -> blocks (CACHE.REGISTER_*, CACHE.EVICT_LRU)
             if self.config.enable_prefix_caching and cache is not None:
                 record.cached_blocks = sorted(bid for same in cache.values() for bid in same)

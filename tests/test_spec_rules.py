@@ -50,3 +50,20 @@ def test_a_rule_that_never_fired_reads_zero_without_being_added(scratch_rules):
     assert "TEST.NEVER" not in HITS  # campaigns list sorted(HITS) as the rules that fired
     rules.fired("TEST.NEVER_DECLARED")  # fired() counts by id
     assert HITS["TEST.NEVER_DECLARED"] == 1
+
+
+def test_priority_queue_lists_in_the_order_it_pops():
+    """The waiting queue's listing (the step record's ``computed`` order, the queue trace) is
+    the order admission takes requests: priority, then arrival time, then id as a string."""
+    from types import SimpleNamespace
+
+    from spec.queues import PriorityQueue
+
+    q = PriorityQueue()
+    reqs = [SimpleNamespace(request_id=rid, priority=p, arrival_seq=seq, tie_time=t)
+            for rid, p, seq, t in [("2", 1, 0, 5.0), ("10", 1, 1, 5.0), ("a", 0, 2, 9.0), ("b", 1, 3, 1.0), ("c", 2, 4, 0.0)]]
+    for r in reqs:
+        q.add(r)
+    listed = [r.request_id for r in q]
+    popped = [q.pop().request_id for _ in reqs]
+    assert listed == popped == ["a", "b", "10", "2", "c"]
