@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from itertools import chain
 
 from spec import async_sched, invariants, specdec
 from spec.config import SchedulerConfig, resolve, step_plan
@@ -56,6 +57,10 @@ class Status(enum.Enum):
     FINISHED = "finished"
     ABORTED = "aborted"
     REJECTED = "rejected"
+
+
+#: Waiting again after a preemption: a request whose computed tokens were reset.
+PREEMPTED_STATES = (Status.PREEMPTED, Status.SWAPPED)
 
 
 @dataclass(eq=False)
@@ -2035,8 +2040,8 @@ class SpecEngine:
         """The optional state fields (spec.formats.STATE_FIELDS) up to ``record_level``: the
         state a bug corrupts before any decision shows it."""
         record.computed = {r.request_id: r.num_computed_tokens for r in self.running}
-        for req in list(self.waiting) + self.swapped:  # a victim's reset shows when it is preempted
-            if req.status in (Status.PREEMPTED, Status.SWAPPED):
+        for req in chain(self.waiting, self.swapped):  # a victim's reset shows when it is preempted
+            if req.status in PREEMPTED_STATES:
                 record.computed[req.request_id] = req.num_computed_tokens
         record.token_cap = out.token_cap
         if self.vtc:
@@ -2052,7 +2057,7 @@ class SpecEngine:
             record.ref_counts = {b.log_key: b.ref_cnt for t in self.kv.req_blocks.values() for b in t}
             cache = getattr(self.kv.pool, "cached", None)  # hash -> blocks (CACHE.REGISTER_*, CACHE.EVICT_LRU)
             if self.config.enable_prefix_caching and cache is not None:
-                record.cached_blocks = sorted(bid for same in cache.values() for bid in same)
+                record.cached_blocks = sorted(chain.from_iterable(cache.values()))  # each hash's block ids
 
 
 #: Running-phase checks by rule id (StepPlan.running_checks).
