@@ -55,6 +55,7 @@ fixed sequential order, so that they round exactly as a sequential loop does.
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -182,6 +183,9 @@ class Scheduler:
         self.watermark_blocks = c.watermark_blocks
         self.capacity, self.token_width, self.block_width, self.stop_width = 0, 0, 0, 0
         self.t: dict[str, object] = {}
+        #: per slot: the end of the columns of ``token_ids`` any of its requests may have written (its
+        #: token room, the widest so far); past it the row is zero (:meth:`_copy_rows`)
+        self.row_ends: list[int] = []
         self._grow(capacity, 128, 8, 1)  # (room for a small trace: fewer reallocations while it arrives)
         self.running = self.be.empty_int()
         self.num_waiting = 0
@@ -198,6 +202,10 @@ class Scheduler:
         self.tail_key = 0  # FCFS: next key for an arrival (increasing)
         self.clock = 0  # steps executed so far (the engine advances it): ages for QUEUE.AGING
         self.keyed = c.policy in ("priority", "spf", "sprpt", "edf")  # queue order by key, not by insertion
+        #: CPU, FCFS without aging or VTC: the waiting queue's (key, slot) entries in key order, on the
+        #: host (:meth:`_queue_head`); an entry is live while its slot still has that key
+        self.fifo: deque | None = deque() if (self.be.numpy and not self.keyed and not c.aging_steps
+                                              and c.policy != "vtc" and c.slo_admission == "off") else None
         # SLO-aware scheduling (issue 19): EDF order and at-risk decodes first, the slack victim,
         # admission control; each needs the per-request token times kept by :meth:`_note_tokens`
         self.edf = c.policy == "edf"
@@ -253,6 +261,8 @@ class Scheduler:
                 src = old[name]
                 if len(shape) == 1:
                     t[: src.shape[0]] = src
+                elif name == "token_ids" and be.device.type == "cpu":
+                    self._copy_rows(be.view(t), be.view(src))
                 else:
                     t[: src.shape[0], : src.shape[1]] = src
             new[name] = t
@@ -261,6 +271,7 @@ class Scheduler:
             setattr(self, name, be.view(t))
         if capacity > self.capacity:
             extra = capacity - self.capacity
+            self.row_ends += [0] * extra
             if self.capacity:
                 self.free_slots = list(range(capacity - 1, self.capacity - 1, -1)) + self.free_slots
                 self.ids = np.concatenate([self.ids, np.full(extra, None, dtype=object)])
@@ -269,6 +280,15 @@ class Scheduler:
                 if self.host_tables is not None:
                     self.host_tables += [[] for _ in range(extra)]
         self.capacity, self.token_width, self.block_width, self.stop_width = capacity, token_width, block_width, stop_width
+
+    def _copy_rows(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """Copy each slot's token row up to its :attr:`row_ends` (past it the row is still zero:
+        nothing was written there).  On CPU the new table is lazily zeroed memory
+        (:meth:`Backend.tensor`): copying whole rows would map every page of the old table's
+        width, ~1 GB at 16k slots of 8,192 tokens, where the requests' tokens fill a fraction."""
+        for s, end in enumerate(self.row_ends):
+            if end:
+                dst[s, :end] = src[s, :end]
 
     def _ensure(self, num_tokens: int, num_blocks: int, num_stop: int) -> None:
         cap, tw, bw, sw = self.capacity, self.token_width, self.block_width, self.stop_width
@@ -337,6 +357,8 @@ class Scheduler:
         slots = longest + 2 * self.num_spec + 1 if self.num_spec else longest
         self._ensure(longest, cdiv(min(slots, c.max_model_len), self.bs) + 1, len(stops))
         s = self.free_slots.pop()
+        if self.row_ends[s] < slots:
+            self.row_ends[s] = min(slots, self.token_width)
         self.ids[s], self.sources[s] = req.id, req
         self.slot_of[req.id] = s
         p = len(prompt)
@@ -406,6 +428,8 @@ class Scheduler:
             key, self.tail_key = self.tail_key, self.tail_key + 1
         self.queue_key[s] = key
         self.num_waiting += 1
+        if self.fifo is not None:  # (a head key is below every key, a tail key above)
+            (self.fifo.appendleft if front else self.fifo.append)((key, s))
         if self.tc is not None:  # an arrival may lift its tenant's counter; a victim does not
             (self.tc.arrive if arrival else self.tc.requeue)(int(self.tenant[s]))
 
@@ -1422,7 +1446,7 @@ class Scheduler:
                 # from the state the last one left, as the cut at a conflict already does)
                 width = min(self.num_waiting, self._room(scheduled), budget, window)
                 window *= 1 if single else 2
-                cand = xp.smallest_k(self._queue_keys(), width)
+                cand = self._queue_head(width)
             ntok = self.num_tokens[cand]
             if self.caching:
                 cand, ntok, hits, nhit, evictable = self._lookup_window(cand, ntok)
@@ -1563,6 +1587,26 @@ class Scheduler:
         if self.config.kv_reservation != "full":
             return None
         return xp.minimum(self.prompt_len[slots] + self.max_tokens[slots] - 1, self.config.max_model_len - 1)
+
+    def _queue_head(self, width: int) -> Array:
+        """The ``width`` first waiting slots in queue order: ``smallest_k`` over the queue keys,
+        or, on CPU under FCFS, the first live entries of :attr:`fifo` (the same slots: FCFS keys
+        only enter at the head or the tail).  A sweep's queue holds thousands: a partition of
+        every slot's key each round costs ~30 µs a step where the host queue costs ~1.  Short
+        tables use the keys on odd steps, so that a CPU fuzz campaign runs both."""
+        q = self.fifo
+        if q is None or (self.capacity <= xp.SORT_ALL and self.clock % 2):
+            return xp.smallest_k(self._queue_keys(), width)
+        keys = self.queue_key
+        while keys[q[0][1]] != q[0][0]:  # (admitted, aborted or refused since: not waiting under that key)
+            q.popleft()
+        out = []
+        for key, s in q:
+            if keys[s] == key:
+                out.append(s)
+                if len(out) == width:
+                    break
+        return np.array(out, dtype=np.int64)
 
     def _queue_keys(self) -> Array:
         """The waiting order's keys this step (INF_KEY: not waiting).  QUEUE.AGING: with

@@ -10,6 +10,7 @@ is written against the operations common to both (operators, indexing,
 """
 from __future__ import annotations
 
+import mmap
 from typing import Any, Union
 
 import numpy as np
@@ -19,6 +20,7 @@ Array = Union[np.ndarray, torch.Tensor]
 INT = torch.int64
 BOOL = torch.bool
 NP_INT, NP_BOOL = np.dtype(np.int64), np.dtype(np.bool_)  # (dtype objects: no per-call dtype lookup)
+LAZY_BYTES = 1 << 20  # zero-filled CPU tensors from this size up are mapped lazily (Backend.tensor)
 
 
 def is_np(x: Any) -> bool:
@@ -37,6 +39,16 @@ class Backend:
 
     # -- storage: always a torch tensor; the working view is numpy on CPU --
     def tensor(self, shape, fill: int = 0, dtype=INT) -> torch.Tensor:
+        """A new tensor of ``shape`` filled with ``fill``.  A large zero-filled CPU tensor lives in
+        an anonymous memory map, whose pages are mapped (zeroed, 4 KiB each) when first written:
+        a sparsely used table (the scheduler's token rows, a few KiB used of each 64 KiB row)
+        then costs what is written, not its size.  (``torch.full`` writes every page, and numpy's
+        ``zeros`` asks for huge pages, which zero 2 MiB at the first write into any of it.)"""
+        if fill == 0 and self.device.type == "cpu":
+            np_dtype = NP_BOOL if dtype is torch.bool else NP_INT
+            size = int(np.prod(shape)) * np_dtype.itemsize
+            if size >= LAZY_BYTES:
+                return torch.from_numpy(np.frombuffer(mmap.mmap(-1, size), np_dtype).reshape(shape))
         return torch.full(shape, fill, dtype=dtype, device=self.device)
 
     def view(self, t: torch.Tensor) -> Array:
