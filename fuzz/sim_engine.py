@@ -185,17 +185,24 @@ def _output_key(request: TraceRequest, vocab_size: int):
 
 def prompt_tokens(request: TraceRequest, vocab_size: int) -> list[int]:
     """``request.prompt_token_ids(vocab_size)``, synthesized in bulk."""
+    got = prompt_array(request, vocab_size)
+    return got if isinstance(got, list) else got.tolist()
+
+
+def prompt_array(request: TraceRequest, vocab_size: int) -> np.ndarray | list[int]:
+    """:func:`prompt_tokens` as an int64 array (a list when the trace gives the prompt), for
+    gpu_engine, which keeps the array as it is (no list made and turned back into an array)."""
     if request.prompt is not None:
         return list(request.prompt)
     key = _prompt_key(request, vocab_size)
     _HANDED.add(key)
     cached = _PROMPTS.pop(key, None)  # (primed; the engine's cache keeps it)
     if cached is not None:
-        return cached.tolist()
+        return cached
     shared = min(request.prefix_len, request.prompt_len) if request.prefix_group else 0
     head = synthetic_range(f"{request.prefix_group}#pre", 0, shared, vocab_size) if shared else np.empty(0, np.int64)
     tail = synthetic_range(f"{request.id}#in", shared, request.prompt_len, vocab_size)
-    return np.concatenate([head, tail]).tolist()
+    return np.concatenate([head, tail])
 
 
 #: Per worker process: each request's output tokens (all ``max_tokens`` of them), made once.
@@ -241,12 +248,12 @@ def make_gpu_engine(trace: Trace, config: SchedulerConfig):
     order = sorted(trace.requests, key=arrival_ns)
     position = {r.id: i for i, r in enumerate(order)}
 
-    def prompt(req: TraceRequest) -> list[int]:
+    def prompt(req: TraceRequest) -> np.ndarray | list[int]:
         key = _prompt_key(req, vocab)
         if req.prompt is None and key not in _PROMPTS and key not in _HANDED and req.id in position:
             at = position[req.id]  # prime the next arrivals with it, a bounded number of tokens at a time
             prime_prompts(order[at:at + 4000], vocab)
-        return prompt_tokens(req, vocab)
+        return prompt_array(req, vocab)
 
     engine.prompt_tokens = prompt
     engine.output_tokens = lambda req, first, count: output_tokens(req, first, count, vocab)

@@ -211,14 +211,16 @@ class GpuEngine:
                 for i in range(min(request.min_tokens, len(future))):
                     future[i] = min_tokens_token(request, i, int(future[i]), self.vocab_size, self.eos_token_id)
         if self.prompt_cache is None:
-            s.add(request, self._prompt(request), future=future)
+            prompt = self._prompt(request)
+            s.add(request, prompt.tolist() if isinstance(prompt, np.ndarray) else prompt, future=future)
             return
         key = (request.id, request.prompt_len, None if request.prompt is None else tuple(request.prompt),
                request.prefix_group, request.prefix_len, self.vocab_size, s.bs if s.caching else 0, request.cache_salt)
         got = self.prompt_cache.get(key)
         if got is None:
-            prompt = self._prompt(request)
-            chain = s._chain([], prompt, salt_root(request.cache_salt)) if s.caching else []
+            prompt = self._prompt(request)  # (an int64 array is kept as it is; the chain hashes a list)
+            tokens = prompt.tolist() if isinstance(prompt, np.ndarray) and s.caching else prompt
+            chain = s._chain([], tokens, salt_root(request.cache_salt)) if s.caching else []
             got = self.prompt_cache[key] = (np.asarray(prompt, dtype=np.int64), chain)
         s.add(request, got[0], chain=got[1], future=future)
 
@@ -308,7 +310,9 @@ class GpuEngine:
         self._scheduled_key = (names, n, pairs)
         return list(pairs)
 
-    def _prompt(self, request: TraceRequest) -> list[int]:
+    def _prompt(self, request: TraceRequest) -> list[int] | np.ndarray:
+        """The prompt's token ids: ``prompt_tokens(request)`` when set (a list, or an int64
+        array), else the trace's own."""
         if self.prompt_tokens is not None:
             return self.prompt_tokens(request)
         return request.prompt_token_ids(self.vocab_size)
