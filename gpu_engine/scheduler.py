@@ -579,19 +579,25 @@ class Scheduler:
 
     # ------------------------------------------------------------------ memory helpers
 
+    def _host_step(self) -> bool:
+        """Whether this step may take the CPU's host-side shortcuts (short walks on host ints,
+        the FCFS head from :attr:`fifo`, short block-table runs): on CPU, on even steps.  Odd
+        steps run the closed forms, which are all the CUDA path runs, so that a fuzz campaign
+        on CPU checks both implementations of the same decision."""
+        return self.be.numpy and self.clock % 2 == 0
+
     def _walks(self, n: int) -> bool:
         """Whether a CPU window or walk segment of ``n`` requests is walked on host ints
-        (:func:`formulas.admission_walk`, :func:`formulas.running_walk`): when short, on even
-        steps.  Odd steps run the closed forms, which are all the CUDA path runs, so that a
-        fuzz campaign on CPU checks both implementations of the same decision."""
-        return self.be.numpy and n <= xp.WALK and self.clock % 2 == 0
+        (:func:`formulas.admission_walk`, :func:`formulas.running_walk`): when short, on a
+        host step (:meth:`_host_step`)."""
+        return n <= xp.WALK and self._host_step()
 
     def _table_entries(self, slots: Array, counts: Array, offset: Array, reverse: bool = False,
                        total: int | None = None):
         """(rows, cols) of ``counts[i]`` consecutive block-table entries of each slot
         starting at ``offset[i]`` (or, reversed, ending just before ``offset[i]``).
         ``total`` (optional): ``sum(counts)``, known to the caller, with every count >= 1."""
-        few = self.be.numpy and len(slots) <= xp.WALK  # a few CPU requests: counts read on the host
+        few = self._walks(len(slots))  # a few CPU requests: counts read on the host
         cnt = counts.tolist() if few and total is None else None
         if total is not None:
             one_each = total == len(slots)
@@ -1593,9 +1599,10 @@ class Scheduler:
         or, on CPU under FCFS, the first live entries of :attr:`fifo` (the same slots: FCFS keys
         only enter at the head or the tail).  A sweep's queue holds thousands: a partition of
         every slot's key each round costs ~30 µs a step where the host queue costs ~1.  Short
-        tables use the keys on odd steps, so that a CPU fuzz campaign runs both."""
+        tables use the keys except on host steps (:meth:`_host_step`), so that a CPU fuzz campaign
+        runs both."""
         q = self.fifo
-        if q is None or (self.capacity <= xp.SORT_ALL and self.clock % 2):
+        if q is None or (self.capacity <= xp.SORT_ALL and not self._host_step()):
             return xp.smallest_k(self._queue_keys(), width)
         keys = self.queue_key
         while keys[q[0][1]] != q[0][0]:  # (admitted, aborted or refused since: not waiting under that key)
