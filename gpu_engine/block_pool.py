@@ -148,11 +148,6 @@ class BlockPool:
         self.duplicates: dict[int, dict[int, None]] = {}  # hash -> its later blocks, in registration order
         self.evicted: list[int] = []  # this step's evictions, in pop order
 
-    @property
-    def cached(self) -> "CacheView":
-        """The prefix-cache map as hash -> its blocks, earliest first (read-only; logs and tests)."""
-        return CacheView(self)
-
     def cached_blocks(self) -> list[int]:
         """Every block in the prefix-cache map (entries, then duplicates)."""
         out = list(self.entry.values())
@@ -275,44 +270,3 @@ class BlockPool:
         head, tail = free_order(groups, last, zero, hashed)
         self.queue.prepend(seq[head])
         self.queue.append(seq[tail])
-
-
-class CacheView:
-    """Read access to a pool's prefix-cache map in its reader's shape: hash -> the tuple of
-    blocks carrying it, earliest-registered first (:attr:`BlockPool.cached`)."""
-
-    __slots__ = ("pool",)
-
-    def __init__(self, pool: BlockPool):
-        self.pool = pool
-
-    def get(self, h: int, default=None):
-        b = self.pool.entry.get(h)
-        if b is None:
-            return default
-        more = self.pool.duplicates.get(h)
-        return (b, *more) if more else (b,)
-
-    def __getitem__(self, h: int) -> tuple[int, ...]:
-        got = self.get(h)
-        if got is None:
-            raise KeyError(h)
-        return got
-
-    def __contains__(self, h: int) -> bool:
-        return h in self.pool.entry
-
-    def __len__(self) -> int:
-        return len(self.pool.entry)
-
-    def __iter__(self):
-        return iter(self.pool.entry)
-
-    def keys(self):
-        return self.pool.entry.keys()
-
-    def items(self):
-        return ((h, self[h]) for h in self.pool.entry)
-
-    def values(self):
-        return (self[h] for h in self.pool.entry)

@@ -260,7 +260,7 @@ def _span_state(use_span: bool, tpots: tuple, k: int):
         for _ in range(k):
             engine.step()
     run = s.running
-    return (s.tables(), s.pool.queue.ids(), {h: list(b) for h, b in s.pool.cached.items()},
+    return (s.tables(), s.pool.queue.ids(), dict(s.pool.entry), {h: list(b) for h, b in s.pool.duplicates.items()},
             s.last_token[run].tolist(), s.slo_missed[run].tolist(), s.clock if not use_span else s.clock + 0)
 
 
