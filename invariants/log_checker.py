@@ -944,10 +944,7 @@ class LogChecker:
 
     def _check_ref_counts(self, rec: StepRecord) -> None:
         """Each block's reference count is the number of running requests whose table holds it."""
-        holders: dict[str, int] = {}
-        for ids in rec.block_ids.values():
-            for b in ids:
-                holders[str(b)] = holders.get(str(b), 0) + 1
+        holders = Counter(str(b) for ids in rec.block_ids.values() for b in ids)
         for key in sorted(set(rec.ref_counts) | set(holders), key=lambda k: (len(k), k)):
             n, m = rec.ref_counts.get(key, 0), holders.get(key, 0)
             if n != m:
@@ -969,6 +966,7 @@ class LogChecker:
     def _check_registered(self, rec: StepRecord, throughout: set[str]) -> None:
         """A request registers each block once per admission, only blocks full of computed tokens."""
         s, bs = rec.step, self.cfg.block_size
+        finished = [rid for rid, _ in rec.finished]
         # CACHE.DEDUP_ON_INSERT: a block whose prefix the tree already holds is freed, not registered; a
         # duplicate sits at an ordinal some request registered (ordinals are positions in the prompt)
         dedup = self.cfg.cache_dedup == "on-insert"
@@ -985,20 +983,20 @@ class LogChecker:
             if again:
                 self.flag("LOG.STATE_CONSISTENT", s, rid, f"block ordinals {again[:4]} registered twice", "cache_registered")
             r.registered.update(ordinals)
-            known = rid not in rec.preempted and not r.hit_unknown and (r.state == "running" or rid in dict(rec.finished))
+            known = rid not in rec.preempted and not r.hit_unknown and (r.state == "running" or rid in finished)
             if known and ordinals and max(ordinals) >= r.computed // bs:
                 self.flag("LOG.STATE_CONSISTENT", s, rid, f"block ordinal {max(ordinals)} registered with only "
                           f"{r.computed} tokens computed", "cache_registered")
         if not self.cfg.enable_prefix_caching:
             return
         seen = self._ordinals_registered if dedup else set()
-        for rid in [r.request_id for r in self.running()] + [rid for rid, _ in rec.finished]:
+        for rid in [r.request_id for r in self.running()] + finished:
             r = self.reqs[rid]  # every block full of computed tokens is a hit or was registered
             if r.hit_unknown or rid in rec.preempted:
                 continue
             # async: blocks whose last token is in flight are cached when it arrives (ASYNC.CACHE_AFTER_OUTPUT)
             upto = r.computed - r.placeholders if r.registrable is None else min(r.computed, r.registrable)
-            if r.cached_upto is not None and rid not in dict(rec.finished):  # a finish caches the rest
+            if r.cached_upto is not None and rid not in finished:  # a finish caches the rest
                 upto = min(upto, r.cached_upto)
             missing = sorted(set(range(r.hit_blocks, upto // bs)) - r.registered - seen)
             if missing:
