@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from fuzz.diff import CRASH_KINDS
 from fuzz.replay import ReplayResult
 from fuzz.shrink import Signature
 from spec.config import resolve
@@ -66,10 +67,17 @@ def step_window(result: ReplayResult, around: int, width: int = 3) -> str:
     spec = {r.step: r for r in result.spec_records}
     eng = {r.step: r for r in result.engine_records}
     steps = sorted(s for s in set(spec) | set(eng) if around - width <= s <= around + width)
+    div = result.divergence
+    # the step an engine raised or hung in has no engine record: say so, rather than "(idle)"
+    crashed = div.step if div is not None and div.kind in CRASH_KINDS and div.step not in eng else None
+    if crashed is not None and crashed not in steps:
+        steps = sorted([*steps, crashed])
     lines = [f"| step | spec | {result.engine} |", "|---:|---|---|"]
     for s in steps:
         mark = " ◀" if s == around else ""
-        lines.append(f"| {s}{mark} | {_batch(spec.get(s))} | {_batch(eng.get(s))} |")
+        theirs = f"({'hung' if div.kind == 'hang' else 'raised'}: {div.rule or div.engine_value})" if s == crashed \
+            else _batch(eng.get(s))
+        lines.append(f"| {s}{mark} | {_batch(spec.get(s))} | {theirs} |")
     return "\n".join(lines)
 
 
@@ -249,8 +257,10 @@ def _cause_lines(div, sig: Signature) -> str:
     first divergence the replay met, labelled as such (a wrong victim is grouped as ``preempted`` /
     ``PREEMPT.VICTIM_NEWEST`` though the first field that differs may be ``scheduled`` / ``RUN.DECODE``)."""
     kind, field_name, rule = (tuple(sig) + ("-", "-", "-"))[:3]
-    raw = f"**{div.kind}** on field `{div.field}`{f' (request {div.request})' if div.request else ''}; spec rule `{div.rule or '-'}`"
-    cause = f"**{kind}** on field `{field_name}`; spec rule `{rule}` (the group's cause)."
+    label = lambda k: "engine code" if k in CRASH_KINDS else "spec rule"  # (a crash is grouped by its place)
+    raw = (f"**{div.kind}** on field `{div.field}`{f' (request {div.request})' if div.request else ''}; "
+           f"{label(div.kind)} `{div.rule or '-'}`")
+    cause = f"**{kind}** on field `{field_name}`; {label(kind)} `{rule}` (the group's cause)."
     return f"{cause}\nFirst raw divergence (the first field that differs in this step): {raw}."
 
 

@@ -41,6 +41,11 @@ class LevelError(ValueError):
     """A log does not carry the fields the comparison level needs."""
 
 
+#: Divergence kinds whose ``rule`` is the place in the engine's code where it raised or hung
+#: (``Type at FILE:LINE``, ``stuck in FILE:FUNCTION``: fuzz.campaign.engine_failure), not a spec rule.
+CRASH_KINDS = (ERROR, "hang")
+
+
 @dataclass
 class Divergence:
     """The first step and field on which the spec and an engine disagree."""
@@ -77,7 +82,9 @@ class Divergence:
             f"  spec:   {_show(self.spec_value)}",
             f"  {self.engine + ':':7} {_show(self.engine_value)}",
         ]
-        if self.rule:
+        if self.rule and self.kind in CRASH_KINDS:  # (the place the engine raised or hung, not a spec rule)
+            lines.append(f"  where the engine {'hung' if self.kind == 'hang' else 'raised'}: {self.rule}")
+        elif self.rule:
             lines.append(f"  spec's rule: {self.rule}" + (f" — {self.reason}" if self.reason else ""))
         elif self.kind == DECISION:
             lines.append("  spec's rule: (no reason recorded for this request at this step)")

@@ -393,6 +393,8 @@ def _lock_step(trace: Trace, eng, name: str, level: str, t0: float, after: int |
             e_rec = eng.run_step() if e_next == k else None
         except SideError as err:
             found = found or _raised("engine", err, name)
+            if after != 0 and s_next == k:  # a report's replay: what the engine should have done there
+                _spec_step_after_crash(spec, spec_recs)
             break
         if e_rec is not None:
             eng_recs.append(e_rec)
@@ -414,6 +416,15 @@ def _lock_step(trace: Trace, eng, name: str, level: str, t0: float, after: int |
                     if after == 0:
                         break
     return ReplayResult(trace, name, level, eng_recs, spec_recs, found, time.perf_counter() - t0, notes)
+
+
+def _spec_step_after_crash(spec: Stepper, spec_recs: list[StepRecord]) -> None:
+    """The spec's own step where the engine raised (its own tokens: the engine sampled none), so a
+    crash report shows what the step should have decided and by which rules; nothing if it raises."""
+    try:
+        spec_recs.append(spec.run_step())
+    except SideError:
+        pass
 
 
 def replay(trace: Trace, engine: str | Engine = "vllm", level: str = "exact", after: int | None = 0) -> ReplayResult:
