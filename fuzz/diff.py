@@ -482,10 +482,26 @@ def as_configured(rule: str | None, config: dict[str, Any]) -> str | None:
     """``rule`` as the trace's configuration spells it.  The memory blame names LRU eviction
     generically (``CACHE.EVICT_LRU``: it sees records, not the configuration); under
     ``cache_eviction=leaf-lru`` the spec's eviction rule is ``CACHE.EVICT_LEAF_LRU`` (SGLang's radix
-    tree evicts whole leaves), so a report on an SGLang-profile trace names that one."""
-    if rule != "CACHE.EVICT_LRU":
+    tree evicts whole leaves), so a report on an SGLang-profile trace names that one.  A different
+    pick from the waiting queue (:data:`QUEUE_ORDER`) names the policy's order rule."""
+    if rule not in ("CACHE.EVICT_LRU", QUEUE_ORDER, QUEUE_ORDER_RESUMED, *_REJECT_RULES.values()):
         return rule
     from spec.config import ConfigError, resolve
+
+    if rule.startswith("REJECT."):  # under length_limits=clip one rule refuses at arrival: the input limit
+        try:
+            return "REJECT.INPUT_LIMIT" if resolve(config).length_limits == "clip" else rule
+        except (ConfigError, TypeError, ValueError):
+            return rule
+
+    if rule in (QUEUE_ORDER, QUEUE_ORDER_RESUMED):  # the policy's order rule; QUEUE.AGING when aging moves keys
+        try:
+            cfg = resolve(config)
+        except (ConfigError, TypeError, ValueError):
+            return "QUEUE.FCFS"
+        if cfg.policy == "fcfs" and rule == QUEUE_ORDER_RESUMED:  # a victim's place: the front, or the tail
+            return "RETRACT.TO_TAIL" if cfg.admission == "estimate" else "QUEUE.VICTIM_TO_FRONT"
+        return "QUEUE.AGING" if cfg.aging_steps else _QUEUE_RULES.get(cfg.policy, "QUEUE.FCFS")
 
     try:
         leaf = resolve(config).cache_eviction == "leaf-lru"
@@ -541,6 +557,12 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
     if name in _BUDGETED and spec.token_cap is not None and engine.token_cap is not None \
             and spec.token_cap != engine.token_cap:  # the per-request cap differs: the cap rule decided it
         return "BUDGET.LONG_PREFILL"
+    order = queue_order_cause(spec, engine, request) if name in _BUDGETED else None
+    if order is not None:
+        return order
+    own = field_rule(name, spec, engine, request)
+    if own is not None:
+        return own
     if name == "scheduled":
         a, b = dict(spec.scheduled), dict(engine.scheduled)
         if (request in a) != (request in b) and _walk_ended_early(spec, engine, request):
@@ -556,6 +578,57 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
         if (spec.resumed and engine.resumed) or (request in engine.resumed and request not in considered):
             return "QUEUE.VICTIM_TO_FRONT"  # (the spec never reached it this step: another victim was ahead)
     return None
+
+
+#: What :func:`queue_order_cause` names: the waiting queue's order, whose rule depends on the policy
+#: (:func:`as_configured`), for a new request or a preempted one taken back.
+QUEUE_ORDER, QUEUE_ORDER_RESUMED = "QUEUE.ORDER", "QUEUE.ORDER_RESUMED"
+_QUEUE_RULES = {"fcfs": "QUEUE.FCFS", "priority": "QUEUE.PRIORITY", "spf": "QUEUE.SPF", "sprpt": "QUEUE.SPRPT",
+                "edf": "QUEUE.EDF", "vtc": "VTC.PICK"}
+
+
+def queue_order_cause(spec: StepRecord | None, engine: StepRecord | None, request: str | None) -> str | None:
+    """The queue order (:data:`QUEUE_ORDER`, or :data:`QUEUE_ORDER_RESUMED` where the first request
+    the two sides take differently was preempted) when both sides took as many requests from the
+    waiting queue at this step, preempting none, but not the same ones in the same order, and
+    ``request`` is one of them: the queue put another request first; whatever the request's own
+    ``ADMIT.*`` reason says, the order decided it."""
+    if spec is None or engine is None or spec.preempted or engine.preempted:
+        return None
+    a, b = list(spec.resumed) + list(spec.new), list(engine.resumed) + list(engine.new)
+    if not a or len(a) != len(b) or request not in a + b:
+        return None
+    taken = [(x, y) for x, y in zip(_admission_order(spec, a), _admission_order(engine, b)) if x != y]
+    if not taken:
+        return None
+    x, y = taken[0]
+    if x in spec.swapped_in or y in engine.swapped_in:  # (resumed from the CPU: the swapped queue's order)
+        return "SWAP.IN"
+    return QUEUE_ORDER_RESUMED if x in spec.resumed or y in engine.resumed else QUEUE_ORDER
+
+
+#: The rejection rule of each reason a log gives for refusing a request at arrival.
+_REJECT_RULES = {"prompt_too_long": "REJECT.PROMPT_TOO_LONG", "never_fits": "REJECT.NEVER_FITS"}
+
+
+def field_rule(name: str, spec: StepRecord, engine: StepRecord, request: str | None) -> str | None:
+    """The one rule that decides ``name`` for ``request`` where the spec gives no reason of that rule
+    (the engine did it, the spec did not): a swap-in or swap-out (``SWAP.IN`` / ``SWAP.OUT``), and a
+    rejection at arrival, by the engine's reason (``REJECT.*``; the spec queued it, so its own
+    reason says ``ARRIVE.QUEUED``)."""
+    mine = [str(r.get("rule", "")) for r in spec.reasons or () if r.get("request") == request]
+    if name in ("swapped_in", "swapped_out"):
+        own = "SWAP.IN" if name == "swapped_in" else "SWAP.OUT"
+        return None if own in mine else own
+    if name == "rejected" and not any(r.startswith("REJECT.") for r in mine):
+        return _REJECT_RULES.get(dict(engine.rejected).get(request))
+    return None
+
+
+def _admission_order(record: StepRecord, admitted: list[str]) -> list[str]:
+    """The admitted requests in the order the step's batch lists them (the order they were taken)."""
+    where = {rid: i for i, (rid, _) in enumerate(record.scheduled)}
+    return sorted(admitted, key=lambda rid: where.get(rid, len(where)))
 
 
 def _walk_ended_early(spec: StepRecord, engine: StepRecord, request: str) -> bool:

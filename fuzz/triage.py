@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fuzz.diff import Divergence, first_divergence, spec_reason, STATE_RULES
+from fuzz.diff import Divergence, as_configured, first_divergence, spec_reason, STATE_RULES
 from fuzz.replay import SideError, Stepper, make_engine, replay_records
 from spec.config import resolve
 from spec.formats import StepRecord, Trace
@@ -201,6 +201,7 @@ def triage_trace(trace: Trace, name: str, engine_a: str, engine_b: str, choices:
                              kind="error", engine="b")
     if div is None:
         return None
+    div.rule = as_configured(div.rule, trace.config)  # (a queue-order or eviction blame as the trace's policy names it)
     own = ProfileChoice("", None)
     verdicts = [judge(trace, a, b, div, c, level) for c in [own, *choices]]
     return TraceDiff(name, div, verdicts, separating_rule(verdicts))
