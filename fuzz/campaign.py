@@ -81,6 +81,8 @@ STEERING: dict[str, dict[str, Any]] = {
     "ADMIT.FULL_SEQUENCE": {"tight_memory": True, "scheduler_reserve_full_isl": True},
     "BUDGET.LONG_PREFILL": {"long_prefill_token_threshold": 4},
     "QUEUE.PRIORITY": {"policy": "priority"},
+    # (aging's knob is a positive number, no plain value in RULE_NEEDS; 4 steps: ages differ between requests)
+    "QUEUE.AGING": {"policy": "priority", "aging_steps": 4},
     "REJECT.": {"rejections": True},
     "STOP.EOS": {"eos": True},
     "STOP.STOP_TOKEN": {"stop_tokens": True},
@@ -139,13 +141,39 @@ def interaction_targets(reachable: list[str], met: dict[str, int]) -> list[str]:
 
 
 def steer(uncovered: list[str], index: int, profile: str | None = None) -> dict[str, Any]:
-    """Options for trace ``index``: every other trace targets one uncovered rule family.
+    """Options for trace ``index`` (``index % 4`` is its slot; slots 2 and 3 are usually an
+    interaction's, :func:`interaction_target`).  Slot 1, while rules are uncovered, targets an
+    uncovered rule's family in turn every other time; its other traces, all of them once every
+    rule is covered, every other slot-0 trace and slot 3 go round every steering target in turn
+    (:func:`_all_targets`); the rest are the default family as drawn.  A mechanism whose rules
+    fired once (VTC, SPF, aging, swap, static batching, ...) so keeps getting traces: the default
+    family never draws its knobs, and a bug there needs it met many times, not once.
 
     With ``profile``, every trace names it, and steering never overrides a knob
     the profile fixes (a campaign against ``tgi`` stays a campaign against ``tgi``)."""
+    slot, turn = index % 4, index // 4
     targets = _steer_targets(tuple(uncovered), profile)
-    out = {} if not targets or index % 2 == 0 else dict(targets[(index // 2) % len(targets)])
+    every = _all_targets(profile)
+    out: dict[str, Any] = {}
+    if slot == 1 and targets and turn % 2 == 0:
+        out = dict(targets[(turn // 2) % len(targets)])
+    elif every and slot == 1:
+        out = dict(every[(turn // 2 if targets else turn) % len(every)])
+    elif every and slot == 0 and turn % 2 == 1:  # (offset: not the target slot 1 has at the same time)
+        out = dict(every[(turn // 2 + len(every) // 2) % len(every)])
+    elif every and slot == 3:
+        out = dict(every[(turn + len(every) // 3) % len(every)])
     return {"profile": profile, **out} if profile else out
+
+
+@functools.lru_cache(maxsize=16)
+def _all_targets(profile: str | None) -> tuple[dict[str, Any], ...]:
+    """Every distinct steering target, as if no rule were covered (:func:`_steer_targets`)."""
+    out: list[dict[str, Any]] = []
+    for opts in _steer_targets(tuple(sorted(r.id for r in all_rules().values() if r.fires)), profile):
+        if opts not in out:
+            out.append(opts)
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=64)

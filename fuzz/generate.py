@@ -392,6 +392,13 @@ def random_trace(seed: int, **options: Any) -> Trace:
     if cfg.get("preemption_mode") == "swap" and "num_cpu_blocks" not in options:
         swap_rng = random.Random(f"swap:{seed}")  # its own generator: other traces keep their draws
         cfg["num_cpu_blocks"] = swap_rng.choice((0, 1, 2, 4, 8, swap_rng.randint(0, cfg["num_blocks"]), 256))
+    if cfg.get("admission") == "estimate" and "clip_max_new_tokens" not in options:
+        # SGLang's CLIP_MAX_NEW_TOKENS (4096) never binds on outputs of 1-40 tokens: half the estimate
+        # traces clip the remaining-output estimate (ESTIMATE.REMAINING) for real; own generator (the
+        # rest of the trace keeps its draws)
+        clip_rng = random.Random(f"clip:{seed}")
+        if clip_rng.random() < 0.5:
+            cfg["clip_max_new_tokens"] = clip_rng.choice((2, 4, 8, 16))
     if profile is not None:  # the header names the profile and only the knobs that differ from it
         base = PROFILES[profile].config
         cfg = {k: v for k, v in cfg.items() if k == "profile" or k in SIZES or v != getattr(base, k)}
