@@ -647,6 +647,10 @@ RULE_NEEDS: dict[str, dict[str, Any]] = {
     "CACHE.EVICT_ON_RETRACT": {"enable_prefix_caching": (True,), "cache_eviction": ("leaf-lru",),
                                "admission": ("estimate",)},
     "KV.FREE_TO_RELEASE": {"cache_eviction": ("leaf-lru",)},
+    # the radix pool has its own pop, free and release order (spec.kv.RadixPool): vLLM's never fire there
+    "KV.FREE_IN_ORDER": {"cache_eviction": ("leaf-lru",)}, "KV.FREE_REVERSED": {"cache_eviction": ("block-lru",)},
+    "KV.POP_HEAD": {"cache_eviction": ("block-lru",)},
+    "KV.FREE_ORDER": {"cache_eviction": ("block-lru",), "free_block_order": ("cached-last",)},
     "CACHE.DEDUP_ON_INSERT": {"enable_prefix_caching": (True,), "cache_dedup": ("on-insert",)},
     "CACHE.REGISTER_PREFILL_AND_FINISH": {"cache_register": ("prefill-and-finish",)},
     "ESTIMATE.ADMIT": {"admission": ("estimate",)}, "ESTIMATE.RATIO": {"admission": ("estimate",)},

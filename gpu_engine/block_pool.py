@@ -130,6 +130,8 @@ class FreeQueue:
 class BlockPool:
     """Ref counts, block hashes, the free queue and the prefix-cache map."""
 
+    release_head_first = False  # a request's table is freed tail first (the scheduler reads this)
+
     def __init__(self, be: Backend, num_blocks: int, null_block: bool, caching: bool,
                  free_to_tail: bool = False, latest_wins: bool = False):
         self.be, self.caching = be, caching

@@ -21,6 +21,8 @@ from gpu_engine.xp import Array, Backend
 class RadixBlockPool(BlockPool):
     """:class:`BlockPool` whose cached blocks are a radix trie evicted a whole leaf node at a time."""
 
+    release_head_first = True  # SGLang frees a request's slots as a slice of its row, first slot first
+
     def __init__(self, be: Backend, num_blocks: int, null_block: bool, caching: bool):
         super().__init__(be, num_blocks, null_block, caching)
         self.clean: deque[int] = deque(range(1 if null_block else 0, num_blocks))

@@ -626,9 +626,14 @@ class Scheduler:
         return self.be.asarray(rows), self.be.asarray(cols)
 
     def _free_tables(self, slots: Array) -> None:
-        """Free whole block tables, requests in the given order, each tail first."""
+        """Free whole block tables, requests in the given order, each tail first (vLLM: the
+        leading blocks, shared most, stay cached longest) or, on a radix pool, head first
+        (SGLang frees a request's slots as one slice of its row)."""
         held = self.num_blocks[slots]
-        rows, cols = self._table_entries(slots, held, held, reverse=True)
+        if self.pool.release_head_first:
+            rows, cols = self._table_entries(slots, held, held * 0)
+        else:
+            rows, cols = self._table_entries(slots, held, held, reverse=True)
         groups = xp.repeat(self.be.arange(len(slots)), held)
         self.pool.free(self.block_table[rows, cols], groups)
         self.num_blocks[slots] = 0

@@ -563,7 +563,8 @@ SGLANG = _derived(
      "radix cache": "a radix tree over the hash-chained blocks (per-token pages: same hits up to the last token), "
                     "whole LRU leaves evicted (cache_eviction=leaf-lru), a duplicate freed on insert "
                     "(cache_dedup=on-insert), tokens inserted after a prefill and at finish "
-                    "(cache_register=prefill-and-finish); SGLang's free-slot re-sort is not modelled (exact level)",
+                    "(cache_register=prefill-and-finish); a request's slots freed head first (KV.FREE_IN_ORDER); the "
+                    "free-slot re-sort SGLang does only under PD disaggregation (need_sort) is not modelled",
      "chunked prefill": "on (SGLang's default): the request on which the budget runs out is cut and continues first "
                         "(prefill_chunking=last-continues); chunked_prefill_size = max_prefill_tokens = "
                         "max_num_batched_tokens",

@@ -148,7 +148,7 @@ class BlockPool:
         same = self.cached.get(block_hash)
         return next(iter(same.values())) if same else None
 
-    @rule("KV.POP_HEAD")
+    @rule("KV.POP_HEAD", knobs=("cache_eviction",))
     def get_new_blocks(self, n: int) -> list[KVBlock]:
         """New blocks are popped from the head of the free queue, in order.
 
@@ -204,7 +204,16 @@ class BlockPool:
                 zero.append(b)
         return zero
 
-    @rule("KV.FREE_ORDER", knobs=("enable_prefix_caching", "free_block_order"))
+    @rule("KV.FREE_REVERSED", knobs=("cache_eviction",))
+    def release_order(self, table: list[KVBlock]) -> list[KVBlock]:
+        """A finished, aborted or preempted request returns its blocks tail first.
+
+        Freeing in reverse puts the deepest prefix block ahead of the leading ones,
+        so the leading blocks (shared most often) stay cached longest.
+        """
+        return table[::-1]
+
+    @rule("KV.FREE_ORDER", knobs=("enable_prefix_caching", "free_block_order", "cache_eviction"))
     def free_blocks(self, ordered: list[KVBlock]) -> None:
         """Freed blocks whose ref count reaches 0 re-enter the free queue.
 
@@ -334,6 +343,17 @@ class RadixPool(BlockPool):
     def evict_all(self) -> None:
         """Evict every unlocked leaf, and the parents they uncover."""
         self.tree.evict_until(lambda: False, self._evict_leaf_block)
+
+    @rule("KV.FREE_IN_ORDER", knobs=("cache_eviction",))
+    def release_order(self, table: list[KVBlock]) -> list[KVBlock]:
+        """Under cache_eviction="leaf-lru", a finished, aborted or retracted request returns
+        its blocks head first, in the order of its block table.
+
+        SGLang frees a request's KV slots as one slice of its ``req_to_token`` row (first
+        slot first), and its token allocator appends freed slots to its free list in the
+        order given: the next allocation gets the request's leading slots first.
+        """
+        return list(table)
 
     def free_blocks(self, ordered: list[KVBlock]) -> None:
         """Blocks reaching ref count 0 join ``free``; those without cached content join
@@ -607,13 +627,9 @@ class KVCacheManager:
         """
         self.cache_blocks(req, req.num_computed_tokens)
 
-    @rule("KV.FREE_REVERSED")
     def free(self, request_id: str) -> None:
-        """A finished, aborted or preempted request returns its blocks tail first.
-
-        Freeing in reverse puts the deepest prefix block ahead of the leading ones,
-        so the leading blocks (shared most often) stay cached longest.
-        """
+        """A finished, aborted or preempted request returns its blocks, in the order its
+        pool's engine releases a block table (:meth:`BlockPool.release_order`)."""
         table = self.req_blocks.pop(request_id, [])
         self.num_cached_block.pop(request_id, None)
-        self.pool.free_blocks(list(reversed(table)))
+        self.pool.free_blocks(self.pool.release_order(table))

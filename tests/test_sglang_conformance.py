@@ -37,9 +37,9 @@ AGREE_TRACES = {
     "ignore-eos-stop-token": "exact",  # 3: STOP.IGNORE_EOS_SCOPE
     "same-step-prefix": "exact",  # 5: cache_register=prefill-and-finish (memory level since 13)
     "abort-running": "exact",  # 11: ABORT.AFTER_NEXT_SAMPLE
-    "leaf-eviction": "memory",  # 8: CACHE.EVICT_LEAF_LRU (slot ids: SGLang re-sorts its free list)
+    "leaf-eviction": "exact",  # 8: CACHE.EVICT_LEAF_LRU (slot ids since KV.FREE_IN_ORDER)
     "duplicate-insert": "exact",  # 13: CACHE.DEDUP_ON_INSERT
-    "ignore-eos-reserve": "decisions",  # 15: ESTIMATE.IGNORE_EOS_RESERVE (exact level: free-slot order)
+    "ignore-eos-reserve": "decisions",  # 15: ESTIMATE.IGNORE_EOS_RESERVE (its log was recorded at this level)
     "no-chunking-input-cap": "exact",  # 16: ADMIT.NO_CHUNKING_EXCLUSIVE (the SGLang campaign's spec-wrong finding)
 }
 
