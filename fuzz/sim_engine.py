@@ -6,11 +6,13 @@ alone, one token a step), so this module runs gpu_engine (scheduler-only)
 under the same driver semantics, with three savings that change no decision:
 
 * **decode spans**: while every running request decodes, nothing waits and no
-  arrival, abort, stop or failed allocation is due, consecutive steps differ
-  only in their KV length; :meth:`gpu_engine.GpuEngine.decode_span` applies
-  them in closed form and the driver accounts for them in bulk (durations,
-  inter-token gaps, KV occupancy), with the cost model evaluated in numpy in
-  the same float operations as :meth:`spec.costmodel.CostModel.step_ns`;
+  arrival, abort or failed allocation is due, consecutive steps differ only in
+  their KV length, up to the step in which one stops;
+  :meth:`gpu_engine.GpuEngine.decode_span` applies them in closed form, that
+  last step's stops included, and the driver accounts for them in bulk
+  (durations, inter-token gaps, KV occupancy, finishes), with the cost model
+  evaluated in numpy in the same float operations as
+  :meth:`spec.costmodel.CostModel.step_ns`;
 * **token synthesis in bulk**: the trace's synthetic prompt and output tokens
   (``crc32("<label>#<index>")``, :mod:`spec.formats`) computed by a vectorized, affine
   CRC-32, identical to ``zlib.crc32`` (tested);
@@ -315,6 +317,9 @@ def simulate_fast(trace: Trace, cost: CostModel, engine, *, usable_blocks: int |
                       arrivals[i] if i < len(pending) else None, abort_steps, max_steps, in_system, len(running),
                       usable_blocks, tenant_of)
             if k:
+                for rid, _ in engine.span_finished:  # (its last step's stops, accounted by _span)
+                    running.pop(rid, None)
+                in_system -= len(engine.span_finished)
                 now = result.step_end_ns[-1]
                 step += k
                 if on_step is not None:
@@ -387,7 +392,11 @@ def _span(engine, result: SimResult, tracker: BatchTracker, cost: CostModel, now
     The span may not reach a step that starts at or after the next arrival (that step
     adds it), a step with aborts, or ``max_steps``.  Every step of it schedules each
     running request for one decode token (its shape: no prefill, ``R`` decodes, KV
-    ``sum(computed + 1)`` growing by ``R`` a step) and samples each once."""
+    ``sum(computed + 1)`` growing by ``R`` a step) and samples each once.  Its last step
+    may stop requests (``engine.span_finished``): finished at that step's end, as
+    :func:`spec.simulate.record_outputs` times a record's finishes, and that step's
+    counts and used blocks taken after them, as for any step (the caller drops them
+    from its running set and ``in_system``)."""
     sched = engine.sched
     if not sched.span_ready():
         return 0
@@ -395,7 +404,7 @@ def _span(engine, result: SimResult, tracker: BatchTracker, cost: CostModel, now
     nxt = next((a for a in abort_steps if a > step), None)
     if nxt is not None:
         bound = min(bound, nxt - step)
-    if bound < 2:
+    if bound < 1:
         return 0
     names = engine._names(sched.running)
     decodes = len(names)
@@ -422,6 +431,9 @@ def _span(engine, result: SimResult, tracker: BatchTracker, cost: CostModel, now
             tracker.computed[rid] += k
             tracker.outputs[rid] += k
         result.tenant_service[tenant_of[rid]] += k
+    finished = engine.span_finished
+    for rid, why in finished:
+        times[rid].outcome, times[rid].finish_ns = why, end
     # (each per-step series is written whole, from C: the int64 arrays' bytes straight into
     # SimResult's array("q") fields, a repeated array("l") into the count series)
     result.itl_ns.frombytes((step_ns if decodes == 1 else np.repeat(step_ns, decodes)).tobytes())
@@ -431,10 +443,15 @@ def _span(engine, result: SimResult, tracker: BatchTracker, cost: CostModel, now
     result.step_ns.frombytes(step_ns.tobytes())
     result.in_system += array("l", (in_system,)) * k
     result.running += array("l", (num_running,)) * k
+    if finished:  # the last step's counts after its finishes
+        result.in_system[-1] -= len(finished)
+        result.running[-1] -= len(finished)
     if usable_blocks is None:
         result.used_blocks += array("l", (-1,)) * k
     else:  # (C longs, the array's own item type)
         used = np.asarray(allocs, dtype=np.int64).cumsum() + (usable_blocks - free0)
+        if finished:  # the last step's after its finishes freed their blocks
+            used[-1] = usable_blocks - sched.pool.num_free
         result.used_blocks.frombytes(used.astype("l", copy=False).tobytes())
     return k
 

@@ -182,6 +182,7 @@ class GpuEngine:
         self.run_step = self._step_async if config.async_scheduling else self._step_sync
         self._flight: tuple[list, list] = ([], [])  # async: (request, index, preemptions), tokens of the batch in flight
         self._last_record: StepRecord | None = None
+        self.span_finished: list[tuple[str, str]] = []  # the requests the last decode span stopped
 
     @classmethod
     def from_trace(cls, trace: Trace, **kw) -> "GpuEngine":
@@ -322,23 +323,27 @@ class GpuEngine:
     def decode_span(self, k_max: int) -> tuple[int, list[int]]:
         """Run up to ``k_max`` steady decode steps at once, without records (for a
         simulator that accounts for them in bulk): ``(k, allocs)``, ``allocs[j]`` the
-        blocks popped in step ``j``.  ``(0, [])`` when the next step is not part of such
-        a span (see :meth:`~gpu_engine.scheduler.Scheduler.decode_span`); scheduler-only mode."""
+        blocks popped in step ``j``; the span's last step may stop requests, which
+        :attr:`span_finished` then lists as a record's ``finished`` would (request,
+        reason).  ``(0, [])`` when the next step is not part of such a span (see
+        :meth:`~gpu_engine.scheduler.Scheduler.decode_span`); scheduler-only mode."""
         s = self.sched
+        self.span_finished = []
         if self.model is not None or self._aborted or self._rejected or not s.span_ready():
             return 0, []  # (an abort or a rejection since the last step belongs in the next step's record)
-        k, allocs = s.decode_span(k_max, self._span_outputs)
+        k, allocs, self.span_finished = s.decode_span(k_max, self._span_outputs)
         if k:
             self.num_steps += k
             s.clock += k
         return k, allocs
 
     def span_bound(self) -> int:
-        """Steps before the first running request reaches its length limit (a bound on a span)."""
+        """Steps up to and including the first in which a running request reaches its length
+        limit (a bound on a span, which may end with that step)."""
         s = self.sched
         if not len(s.running):
             return 0
-        return int((s.stop_at[s.running] - s.num_tokens[s.running]).min()) - 1
+        return int((s.stop_at[s.running] - s.num_tokens[s.running]).min())
 
     def _span_outputs(self, slot: int, first: int, count: int):
         req = self.sched.sources[slot]

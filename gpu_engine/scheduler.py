@@ -2045,49 +2045,55 @@ class Scheduler:
         own (VTC counters, SGLang's ratio) changes."""
         return (self.steady and self.num_waiting == 0 and self.num_swapped == 0 and self.tc is None
                 and not self.estimate and 0 < len(self.running) <= self.config.max_num_batched_tokens
-                and not self.register_computed)  # (a span registers blocks at allocation)
+                and not self.register_computed and not self.abort_pending)  # (a span registers blocks at allocation)
 
-    def decode_span(self, k_max: int, outputs) -> tuple[int, list[int]]:
+    def decode_span(self, k_max: int, outputs) -> tuple[int, list[int], list[tuple[str, str]]]:
         """Run up to ``k_max`` steady decode steps at once (:meth:`span_ready` must hold):
-        ``(k, allocs)`` with ``allocs[j]`` the blocks popped in step ``j``.
+        ``(k, allocs, finished)`` with ``allocs[j]`` the blocks popped in step ``j`` and
+        ``finished`` the requests its last step stopped, with their finish reasons.
 
-        The span ends before the first step that would differ from "every running request
-        computes one token and samples one": a stop (``stop_at``, EOS, a stop token) or an
-        allocation the free queue cannot serve (a preemption).  Within it, each step's
-        decisions are the closed forms of the per-step path: request ``i`` (``t_i`` tokens)
-        needs ``cdiv(t_i + j, bs)`` blocks in step ``j`` (:func:`formulas.block_demand`
-        with ``n = 1``), so it pops block ``b`` in step ``max(b * bs - t_i + 1, 0)``; its
-        block ``m`` fills when token ``(m + 1) * bs - 1`` is appended (step
-        ``(m + 1) * bs - 1 - t_i``, hashed then) and is registered in the next step's
-        schedule.  Pops and registrations are applied in (step, running order), the order
-        the per-step path applies them.  ``outputs(slot, first, count)`` gives the tokens
-        a request samples (its output indices ``first .. first + count - 1``).
-        Returns ``(0, [])`` when fewer than two steps qualify: run them one by one.
+        The span runs through the first step in which a request stops (``stop_at``, EOS, a
+        stop token) and ends with it, or ends before the first allocation the free queue
+        cannot serve (a preemption).  Within it, each step's decisions are the closed forms
+        of the per-step path: request ``i`` (``t_i`` tokens) needs ``cdiv(t_i + j, bs)``
+        blocks in step ``j`` (:func:`formulas.block_demand` with ``n = 1``), so it pops block
+        ``b`` in step ``max(b * bs - t_i + 1, 0)``; its block ``m`` fills when token
+        ``(m + 1) * bs - 1`` is appended (step ``(m + 1) * bs - 1 - t_i``, hashed then) and
+        is registered in the next step's schedule.  Pops and registrations are applied in
+        (step, batch order), the order the per-step path applies them.  A last step that
+        stops requests is applied as :meth:`update` applies one (:meth:`_span_finish`): their
+        stop codes by :func:`formulas.stop_codes`, the block their last token fills not
+        hashed, their tables freed in batch order after the step's pops and registrations.
+        ``outputs(slot, first, count)`` gives the tokens a request samples (its output
+        indices ``first .. first + count - 1``).  Returns ``(0, [], [])`` when no step
+        qualifies, or only one that stops nobody: run it as a step.
         """
         bs = self.bs
         run = self.running
         slots = xp.to_list(run)
         t = xp.to_list(self.num_tokens[run])
-        k = min([k_max] + [st - tt - 1 for st, tt in zip(xp.to_list(self.stop_at[run]), t)])  # before any stop
-        if k < 2:
-            return 0, []
+        stop_at = xp.to_list(self.stop_at[run])
+        k = min([k_max] + [st - tt for st, tt in zip(stop_at, t)])  # through the first length stop
+        if k < 1:
+            return 0, [], []
         nout = xp.to_list(self.num_output_tokens[run])
         eos_ok = xp.to_list(self.ignore_eos[run] == 0)
-        toks, rows = [], []  # each request's tokens as a list (hashing), and as given (written back)
+        toks, rows, stopping = [], [], []  # each request's tokens as a list (hashing), and as given (written back)
         for s, o, e in zip(slots, nout, eos_ok):
             got = outputs(s, o, k)
             out = got.tolist() if isinstance(got, np.ndarray) else list(got)
             stops = set(self._stops(self.sources[s]))
             if e:
                 stops.add(self.eos_token_id)
-            if stops and not stops.isdisjoint(out[:k]):  # cut before the first step that samples one
-                k = next(j for j, tok in enumerate(out[:k]) if tok in stops)
+            if stops and not stops.isdisjoint(out[:k]):  # through the first step that samples one
+                k = next(j for j, tok in enumerate(out[:k]) if tok in stops) + 1
             toks.append(out)
             rows.append(got if isinstance(got, np.ndarray) else out)
+            stopping.append(stops)
         held = xp.to_list(self.num_blocks[run])
         rank = self._span_order(run, k) if self.edf else range(len(slots))
         if rank is None:
-            return 0, []
+            return 0, [], []
         pops = sorted((max(b * bs - ti + 1, 0), rank[i], b, i) for i, (ti, h) in enumerate(zip(t, held))
                       for b in range(h, cdiv(ti + k - 1, bs)))
         free = self.pool.num_free
@@ -2095,8 +2101,10 @@ class Scheduler:
             if n_before >= free and j < k:
                 k = j
                 break
-        if k < 2:
-            return 0, []
+        # the requests the last step stops (none when a failed allocation cut the span)
+        ending = [i for i in range(len(slots)) if k and (t[i] + k >= stop_at[i] or toks[i][k - 1] in stopping[i])]
+        if k < 2 and not ending:
+            return 0, [], []
         pops = [e for e in pops if e[0] < k]
         allocs = [0] * k
         for j, _, _, _ in pops:
@@ -2109,7 +2117,7 @@ class Scheduler:
                     self.host_tables[slots[i]] = self.host_tables[slots[i]] + [block]  # (see _mirror)
             self.pool.evicted = []
         if self.caching:
-            self._span_cache(slots, t, toks, k, rank)
+            self._span_cache(slots, t, toks, k, rank, ending)
         if self.slo:  # k tokens each, one a step: the first in this step, the last in step clock + k - 1
             self._note_tokens(run)  # (the later gaps are one step: no miss, every tpot being >= 1)
             self.last_token[run] = self.clock + k - 1
@@ -2120,7 +2128,33 @@ class Scheduler:
         self.num_tokens[run] += k
         self.num_output_tokens[run] += k
         self.num_computed_tokens[run] = self.num_tokens[run] - 1
-        return k, allocs
+        if not ending:
+            return k, allocs, []
+        return k, allocs, self._span_finish(run, [toks[i][k - 1] for i in range(len(slots))], ending, rank)
+
+    def _span_finish(self, run: Array, last: list[int], ending: list[int], rank) -> list[tuple[str, str]]:
+        """The stops of a decode span's last step, as :meth:`update` applies them: each running
+        request's stop code (:func:`formulas.stop_codes` on its last sampled token, ``last[i]``),
+        then the stopped ones (``ending``: the candidates) freed in batch order (``rank``:
+        EDF serves the at-risk decodes first) and released."""
+        c = self.config
+        tokens = self.be.asarray(last)
+        stop_hit = (self.stop_ids[run] == tokens[:, None]).any(1)
+        code = xp.to_list(F.stop_codes(tokens, self.ignore_eos[run] == 0, stop_hit, self.num_tokens[run],
+                                       self.num_output_tokens[run], self.max_tokens[run], self.eos_token_id,
+                                       c.max_model_len))
+        slots = xp.to_list(run)
+        done = sorted((i for i in ending if code[i] > 0), key=lambda i: rank[i])
+        if not done:  # (cannot happen: the candidates are exactly the requests with a stop code)
+            return []
+        self._free_tables(self.be.asarray([slots[i] for i in done]))
+        out = []
+        for i in done:
+            s = slots[i]
+            out.append((self.ids[s], self._reason(s, code[i])))
+            self._release(s)
+        self.running = self.running[self.status[self.running] == RUNNING]
+        return out
 
     def _span_order(self, run: Array, k: int) -> list[int] | None:
         """EDF in a decode span: each step serves the at-risk decodes first (their blocks are
@@ -2140,15 +2174,17 @@ class Scheduler:
             rank[i] = place
         return rank
 
-    def _span_cache(self, slots: list[int], t: list[int], toks: list[list[int]], k: int, rank=None) -> None:
+    def _span_cache(self, slots: list[int], t: list[int], toks: list[list[int]], k: int, rank=None,
+                    ending: list[int] = ()) -> None:
         """Prefix-cache bookkeeping of a decode span: extend each hash chain over the blocks
-        its appended tokens fill, register blocks in (step, allocation order): running order,
-        or ``rank`` (EDF: at-risk decodes first)."""
+        its appended tokens fill (not the one the last token of a request stopped in the last
+        step fills, ``ending``: :meth:`update` never hashes that), register blocks in (step,
+        allocation order): running order, or ``rank`` (EDF: at-risk decodes first)."""
         bs = self.bs
         regs = []
         for i, (s, ti) in enumerate(zip(slots, t)):
             chain = self.hashes[s]
-            last = (ti + k) // bs  # full blocks after the span's last append
+            last = (ti + k - (i in ending)) // bs  # full blocks after the span's last (hashed) append
             if len(chain) < last:
                 lo = len(chain) * bs
                 known = xp.to_list(self.token_ids[s, lo:ti]) if lo < ti else []

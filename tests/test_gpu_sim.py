@@ -14,6 +14,7 @@ from batchspec.data import TRACES
 from fuzz import sim_engine as SE
 from fuzz.importers import import_trace
 from fuzz.sweep import parse_profile_spec, run_config, run_one, sweep
+from gpu_engine import GpuEngine
 from spec.costmodel import CostModel, preset
 from spec.formats import _mix
 from spec.formats import Trace, TraceRequest
@@ -169,3 +170,97 @@ def test_primed_tokens_equal_the_trace_rule():
     for r in reqs:
         assert SE.prompt_tokens(r, 5000) == r.prompt_token_ids(5000)
         assert SE.output_tokens(r, 0, r.max_tokens, 5000).tolist() == [r.output_token(i, 5000) for i in range(r.max_tokens)]
+
+
+# -- decode spans that end with the step in which requests stop -------------------------------
+
+
+def _stopping_requests(tpot_slo=None, at_risk=range(7)) -> list[TraceRequest]:
+    """Requests that stop at different steps of one steady decode (max_model_len 64): EOS,
+    a stop token, max_tokens, max_model_len, and two in the same step by max_tokens (one of
+    them ignoring an EOS, the other's last token filling a block); a shared prefix, so that
+    blocks are hit and registered.  ``tpot_slo``: the TPOT target of those in ``at_risk``."""
+    plan = [(9, 5, (20, 2)), (12, 40, ()), (15, 9, (20, 21, 2)), (18, 30, ()), (21, 31, ()), (24, 31, (7, 2, 8)),
+            (40, 30, ())]  # (prompt_len, max_tokens, given output tokens)
+    reqs = []
+    for i, (prompt_len, max_tokens, given) in enumerate(plan):
+        kw = {"tpot_slo": tpot_slo} if tpot_slo and i in at_risk else {}
+        if i == 3:  # its 4th synthetic token is a stop token
+            kw["stop_token_ids"] = (_mix(f"s{i}#out", 3, 1000),)
+        reqs.append(TraceRequest(id=f"s{i}", prompt_len=prompt_len, max_tokens=max_tokens, output_tokens=given,
+                                 ignore_eos=i == 5, prefix_group="g" if i % 2 else None, prefix_len=8, arrival_step=0,
+                                 **kw))
+    return reqs
+
+
+def _engine_state(engine) -> tuple:
+    s = engine.sched
+    run = s.running
+    return (s.tables(), s.pool.queue.ids(), dict(s.pool.entry), {h: list(b) for h, b in s.pool.duplicates.items()},
+            [s.hashes[x] for x in run.tolist()], s.num_cached_blocks[run].tolist(), s.pool.ref_cnt.tolist(),
+            s.num_tokens[run].tolist(), s.clock)
+
+
+@pytest.mark.parametrize("profile,tpot,at_risk", [("vllm-v1", None, ()), ("edf", 1, range(7)), ("edf", 1, (1, 3, 5)),
+                                                  ("edf", 3, range(7))])
+def test_a_span_ending_in_stops_equals_its_steps(profile, tpot, at_risk):
+    """gpu_engine's decode spans run through the step in which requests stop (max_tokens,
+    max_model_len, EOS, a stop token): the finished requests, their reasons, and the engine's
+    memory state (tables, free queue order, cache map, hash chains) after each such step equal
+    running the steps one by one.  Under EDF a decode with a one-step TPOT is at risk in every
+    step, so the batch (and the free order of the stopped) puts those first: with (1, 3, 5) at
+    risk, s5 is freed before s4."""
+    trace = Trace(config={"profile": profile, "block_size": 4, "num_blocks": 120, "max_model_len": 64,
+                          "enable_prefix_caching": True}, requests=_stopping_requests(tpot, at_risk), vocab_size=1000,
+                  eos_token_id=2)
+
+    def run(spans: bool):
+        engine = GpuEngine.from_trace(trace)
+        for r in trace.requests:
+            engine.add_request(r)
+        finishes, spanned = {}, 0
+        while engine.has_unfinished_requests():
+            k = engine.decode_span(10_000)[0] if spans else 0
+            if k:
+                spanned += bool(engine.span_finished)
+                got = engine.span_finished
+            else:
+                got = engine.step().finished
+            if got:
+                finishes[engine.sched.clock] = (got, _engine_state(engine))
+        return finishes, spanned
+
+    stepped, _ = run(False)
+    spanned, ended_in_stops = run(True)
+    assert spanned == stepped
+    assert sum(len(f) for f, _ in stepped.values()) == len(trace.requests)
+    assert ended_in_stops >= 3, "too few spans ended with a stop to test them"
+    reasons = {rid: why for f, _ in stepped.values() for rid, why in f}
+    assert reasons == {"s0": "eos", "s1": "max_tokens", "s2": "eos", "s3": "stop_token", "s4": "max_tokens",
+                       "s5": "max_tokens", "s6": "max_model_len"}
+    together = ["s5", "s4"] if at_risk == (1, 3, 5) else ["s4", "s5"]  # (batch order)
+    assert any([rid for rid, _ in f] == together for f, _ in spanned.values())
+
+
+@pytest.mark.parametrize("rate", [0.3, 3.0])
+def test_simulated_stops_in_spans_equal_stepping_one_by_one(azure, rate):
+    """The simulator's accounting of a span's last step (finish times and reasons, the step's
+    running and in-system counts and used blocks after its finishes) equals the same run with
+    every step taken one by one (spans off), and the spec's; most finishes fell in spans."""
+    trace = scale_to_rate(dataclasses.replace(azure, requests=azure.requests[:60]), rate)
+    config = run_config(trace, parse_profile_spec("vllm-v1"), COST)
+    engine = SE.make_gpu_engine(trace, config)
+    span, in_spans = engine.decode_span, []
+
+    def counted(k):
+        got = span(k)
+        in_spans.extend(engine.span_finished)
+        return got
+    engine.decode_span = counted
+    fast = SE.simulate_fast(trace, COST, engine)
+    slow_engine = SE.make_gpu_engine(trace, config)
+    slow_engine.decode_span = lambda k: (0, [])
+    slow = SE.simulate_fast(trace, COST, slow_engine)
+    assert SE.first_difference(slow, fast) is None
+    assert SE.first_difference(run_one(trace, config, COST), fast) is None
+    assert len(in_spans) > len(trace.requests) / 2
