@@ -482,9 +482,10 @@ def as_configured(rule: str | None, config: dict[str, Any]) -> str | None:
     """``rule`` as the trace's configuration spells it.  The memory blame names LRU eviction
     generically (``CACHE.EVICT_LRU``: it sees records, not the configuration); under
     ``cache_eviction=leaf-lru`` the spec's eviction rule is ``CACHE.EVICT_LEAF_LRU`` (SGLang's radix
-    tree evicts whole leaves), so a report on an SGLang-profile trace names that one.  A different
+    tree evicts whole leaves), so a report on an SGLang-profile trace names that one, and one request's
+    release in another order names ``KV.FREE_IN_ORDER`` there (SGLang frees head first).  A different
     pick from the waiting queue (:data:`QUEUE_ORDER`) names the policy's order rule."""
-    if rule not in ("CACHE.EVICT_LRU", QUEUE_ORDER, QUEUE_ORDER_RESUMED, *_REJECT_RULES.values()):
+    if rule not in ("CACHE.EVICT_LRU", "KV.FREE_REVERSED", QUEUE_ORDER, QUEUE_ORDER_RESUMED, *_REJECT_RULES.values()):
         return rule
     from spec.config import ConfigError, resolve
 
@@ -507,7 +508,9 @@ def as_configured(rule: str | None, config: dict[str, Any]) -> str | None:
         leaf = resolve(config).cache_eviction == "leaf-lru"
     except (ConfigError, TypeError, ValueError):
         return rule
-    return "CACHE.EVICT_LEAF_LRU" if leaf else rule
+    if not leaf:
+        return rule
+    return "CACHE.EVICT_LEAF_LRU" if rule == "CACHE.EVICT_LRU" else "KV.FREE_IN_ORDER"
 
 
 def ended_rule(history: Iterable[StepRecord], request: str | None) -> str | None:

@@ -376,3 +376,27 @@ def test_gpu_engine_releases_a_table_in_the_profiles_order_too():
                         after=None)
         assert result.agreed, result.divergence.describe()
         assert any("B" in (r.block_ids or {}) for r in result.engine_records)
+
+
+def test_a_release_in_another_order_is_blamed_on_the_profiles_release_rule():
+    """An engine log whose B re-uses A's released blocks in another order than the spec's: the report
+    names the release rule of the trace's profile (KV.FREE_IN_ORDER under sglang, KV.FREE_REVERSED under vLLM)."""
+    import copy
+
+    from fuzz.replay import replay_records
+    from scenario_helpers import trace as make_trace
+    from spec.scheduler import run
+
+    for profile, rule in (("sglang", "KV.FREE_IN_ORDER"), ("vllm-v1", "KV.FREE_REVERSED")):
+        t = make_trace({**RELEASE, "profile": profile}, R("A", 20, 2), R("B", 30, 3, at=4))
+        records = copy.deepcopy(run(t))
+        a_table = next(r.block_ids["A"] for r in reversed(records) if "A" in (r.block_ids or {}))
+        for r in records:  # B's re-used blocks in the other order: the engine released A the other way round
+            if "B" in (r.block_ids or {}):
+                table = r.block_ids["B"]
+                at = [i for i, b in enumerate(table) if b in a_table]
+                for i, b in zip(at, [table[i] for i in at][::-1]):
+                    table[i] = b
+        result = replay_records(t, records, "exact", engine="log")
+        assert not result.agreed and result.divergence.field == "block_ids"
+        assert result.divergence.rule == rule, result.divergence.describe()
