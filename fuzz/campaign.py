@@ -168,10 +168,17 @@ def steer(uncovered: list[str], index: int, profile: str | None = None) -> dict[
 
 @functools.lru_cache(maxsize=16)
 def _all_targets(profile: str | None) -> tuple[dict[str, Any], ...]:
-    """Every distinct steering target, as if no rule were covered (:func:`_steer_targets`)."""
+    """Every distinct steering target that sets a knob away from ``vllm-v1``'s default, as if no rule
+    were covered (:func:`_steer_targets`); generator switches alone (tight memory, aborts, EOS, ...)
+    are left to the default family, which draws them in a third to two thirds of its traces."""
+    from fuzz.generate import _KNOBS
+    from spec.config import VLLM_V1
+
+    base = VLLM_V1.config
     out: list[dict[str, Any]] = []
     for opts in _steer_targets(tuple(sorted(r.id for r in all_rules().values() if r.fires)), profile):
-        if opts not in out:
+        moves = any(k in _KNOBS and getattr(base, k) != v for k, v in opts.items())
+        if moves and opts not in out:
             out.append(opts)
     return tuple(out)
 

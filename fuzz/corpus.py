@@ -300,6 +300,7 @@ def group_signature(result: ReplayResult) -> Signature:
     spec = next((r for r in result.spec_records if r.step == div.step), None)
     eng = next((r for r in result.engine_records if r.step == div.step), None)
     compared = set(fields_at(result.level))
+    config = result.trace.config if result.trace is not None else {}  # (the trace's policy names a queue rule)
     late = ghost(spec, eng, [r for r in result.spec_records if r.step < div.step])
     if late is not None and late[0] in compared:  # the engine runs a request the spec had ended
         return (div.kind, late[0], late[2])
@@ -317,10 +318,10 @@ def group_signature(result: ReplayResult) -> Signature:
         if name == "finished":  # the stop rule of whichever side finished it: the same bug either way round
             return (div.kind, name, _cause_rule(spec, request, name) or _stop_rule(eng, request) or "-")
         if name in _CAUSE_FAMILIES:  # only a rule that decides this field names it (else "-", not an unrelated one)
-            own = as_configured(field_rule(name, spec, eng, request), result.trace.config) if spec and eng else None
+            own = as_configured(field_rule(name, spec, eng, request), config) if spec and eng else None
             return (div.kind, name, _cause_rule(spec, request, name) or own or "-")
         giveback = budget_giveback_rule(spec, request)  # the budget this request got came from a victim's tokens
-        cause = giveback[0] if giveback else as_configured(decision_cause(name, spec, eng, request), result.trace.config)
+        cause = giveback[0] if giveback else as_configured(decision_cause(name, spec, eng, request), config)
         return (div.kind, name, cause or spec_reason(spec, request, name)[0] or "-")
     if div.field in _MEMORY_FIELDS:  # the memory event behind the spec's value (fuzz.diff.memory_rule)
         from fuzz.diff import as_configured, memory_rule
