@@ -29,9 +29,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gpu_engine.block_pool as BP  # noqa: E402
 import gpu_engine.formulas as F  # noqa: E402
-from fuzz.campaign import CampaignConfig, run_campaign  # noqa: E402
+from fuzz.campaign import MAX_STEPS, CampaignConfig, run_campaign  # noqa: E402
+from fuzz.generate import random_trace  # noqa: E402
+from fuzz.replay import replay  # noqa: E402
 from gpu_engine import xp  # noqa: E402
 from gpu_engine.block_pool import BlockPool  # noqa: E402
+from gpu_engine.fairness import TenantCounters  # noqa: E402
 from gpu_engine.scheduler import PREEMPTED, Scheduler  # noqa: E402
 
 
@@ -297,6 +300,73 @@ def _retraction_drops_prefix():
     return [(Scheduler, "_preempt", _preempt)]
 
 
+# -- blind-spot hunt (issue 18): bugs in mechanisms the default family never draws, found by planting ---
+# (each one line of one method, recompiled: source_patch)
+
+
+def _one_line(cls, name: str, old: str, new: str):
+    return lambda: source_patch(cls, name, old, new)
+
+
+BLIND_SPOT_MUTANTS = [
+    Mutant("priority_tie_later_first", "VLLM-03", "equal priorities: the later arrival is served first",
+           _one_line(Scheduler, "_enqueue", "else int(self.arrival[s])", "else -int(self.arrival[s])")),
+    Mutant("aging_off_by_one", "QUEUE.AGING", "a waiting request ages one step early",
+           _one_line(Scheduler, "_queue_keys", "((self.clock - self.arrival_step) // a)",
+                     "((self.clock - self.arrival_step + 1) // a)")),
+    Mutant("spf_counts_outputs", "SPF", "SPF orders a re-queued victim by prompt + outputs, not by its prompt",
+           _one_line(Scheduler, "_base_key", "return int(self.prompt_len[s])", "return int(self.num_tokens[s])")),
+    Mutant("vtc_weight_multiplies", "VTC", "the VTC charge is multiplied by the tenant's weight, not divided",
+           _one_line(TenantCounters, "charge", "cost / self.weight[tenants]", "cost * self.weight[tenants]")),
+    Mutant("vtc_charges_hits", "VTC", "VTC charges an admitted request's prefix-cache hit tokens",
+           _one_line(Scheduler, "_admit", "self._charge(adm, hit_tokens, n)", "self._charge(adm, hit_tokens * 0, n + hit_tokens)")),
+    Mutant("vtc_lift_to_max", "VTC", "a tenant returning to an empty queue is lifted to the largest backlogged counter",
+           _one_line(TenantCounters, "arrive", "self.counter[:n][others].min()", "self.counter[:n][others].max()")),
+    Mutant("vtc_victim_lifted", "VTC", "a preempted request's return lifts its tenant's counter like an arrival",
+           _one_line(Scheduler, "_enqueue", "(self.tc.arrive if arrival else self.tc.requeue)(int(self.tenant[s]))",
+                     "self.tc.arrive(int(self.tenant[s]))")),
+    Mutant("vtc_abort_keeps_waiting", "VLLM-09, VTC", "aborting a waiting request leaves its tenant counted as backlogged",
+           _one_line(Scheduler, "abort", "self.tc.leave([int(self.tenant[s])])", "pass")),
+    Mutant("swap_in_newest_first", "VLLM V0 swap", "swap-in takes the latest arrival first",
+           _one_line(Scheduler, "_swap_keys", "return self.arrival[slots]", "return -self.arrival[slots]")),
+    Mutant("swap_out_counts_all_tokens", "VLLM V0 swap", "swap-out sizes a victim's CPU copy by all its tokens, not the computed ones",
+           _one_line(Scheduler, "_preempt", "cdiv(self.num_computed_tokens[victims], self.bs)", "cdiv(self.num_tokens[victims], self.bs)")),
+    Mutant("ratio_no_floor", "SGL new_token_ratio", "new_token_ratio decays below its floor",
+           _one_line(Scheduler, "_next_ratio", "self.ratio = max(self.ratio - c.new_token_ratio_decay, c.new_token_ratio_min)",
+                     "self.ratio = self.ratio - c.new_token_ratio_decay")),
+    Mutant("retract_shortest_prompt", "SGL retract", "a retraction tie goes to the shortest prompt, not the longest",
+           _one_line(Scheduler, "_victim_order", "key = self.num_output_tokens[run] * PRIORITY_SHIFT - self.prompt_len[run]",
+                     "key = self.num_output_tokens[run] * PRIORITY_SHIFT + self.prompt_len[run]")),
+    Mutant("estimate_unclipped", "SGL new_token_ratio", "the admission estimate does not clip remaining outputs",
+           _one_line(Scheduler, "_remaining_output", "return np.minimum(left, self.config.clip_max_new_tokens)", "return left")),
+    Mutant("stop_token_needs_eos_ok", "VLLM-11", "ignore_eos also ignores stop token ids",
+           _one_line(F, "stop_codes", "code = xp.where(stop_hit, STOP_TOKEN, code)",
+                     "code = xp.where(stop_hit & eos_ok, STOP_TOKEN, code)")),
+    Mutant("max_model_len_stop_late", "VLLM-11", "a request stops at max_model_len one token late",
+           _one_line(F, "stop_codes", "num_tokens >= max_model_len", "num_tokens > max_model_len")),
+    Mutant("prompt_too_long_off_by_one", "VLLM prompt length", "a prompt of exactly max_model_len tokens is accepted",
+           _one_line(Scheduler, "rejection", "if req.prompt_len + 1 > c.max_model_len:", "if req.prompt_len > c.max_model_len:")),
+    Mutant("never_fits_off_by_one", "VLLM-17", "never_fits counts the last sampled token's slot",
+           _one_line(Scheduler, "rejection", "peak = min(req.prompt_len + req.max_tokens - 1, c.max_model_len - 1)",
+                     "peak = min(req.prompt_len + req.max_tokens, c.max_model_len)")),
+    Mutant("spec_accepts_past_stop", "VLLM spec decode", "accepted drafts past a stop token are kept",
+           _one_line(Scheduler, "_update_verified", "if code != F.STOP_NONE:", "if False:")),
+    Mutant("async_done_off_by_one", "ASYNC", "async: a request one token short of max_tokens asks for no more",
+           _one_line(Scheduler, "_async_demand", "(comp + 2 - ph >= ", "(comp + 3 - ph >= ")),
+    Mutant("static_refills", "static batching", "static batching admits while its batch still runs",
+           _one_line(Scheduler, "schedule", "starved = not len(self.running) and",
+                     "starved = len(self.running) < self.admit_limit and")),
+    Mutant("mru_evicted", "VLLM-19", "freed cached blocks go to the free queue's head: the most recently used is evicted first",
+           _one_line(BlockPool, "free", "self.queue.append(seq[tail])", "self.queue.prepend(seq[tail])")),
+    Mutant("edf_tie_later_first", "EDF", "EDF ties go to the later arrival",
+           _one_line(F, "edf_keys", "due * (1 << 32) + arrival", "due * (1 << 32) - arrival")),
+    Mutant("at_risk_one_late", "EDF", "an at-risk decode is served one step late",
+           _one_line(F, "at_risk", "(now >= last + tpot)", "(now > last + tpot)")),
+    Mutant("long_prefill_cap_running_only", "VLLM long-prefill", "the long-prefill cap counts running requests only "
+           "(a request alone with a waiting one is not capped)",
+           _one_line(Scheduler, "schedule", "eligible = len(self.running) + self.num_waiting", "eligible = len(self.running)")),
+]
+
 MUTANTS = [
     Mutant("block_off_by_one", "VLLM-17, ATOM#250", "a growing request gets one block too few at a block boundary", _block_off_by_one),
     Mutant("no_reset_on_preempt", "LMD-02, VLLM-13", "a preempted request keeps its computed-token count", _no_reset_on_preempt),
@@ -329,7 +399,7 @@ MUTANTS = [
            "one token early", _chunk_after_hit_off_by_one, "chunked-prefill x prefix-hit"),
     Mutant("retraction_drops_prefix", "SGL retract", "a retracted request's cached prefix leaves the prefix cache at once",
            _retraction_drops_prefix, "retraction x eviction"),
-]
+] + BLIND_SPOT_MUTANTS
 
 
 @contextlib.contextmanager
@@ -373,7 +443,43 @@ AT_FAULT: dict[str, tuple[str, ...]] = {
     "abort_swapped_leaks_cpu": ("ABORT.FREE",),
     "chunk_after_hit_off_by_one": ("CACHE.HIT", "BUDGET.TOKENS"),
     "retraction_drops_prefix": ("RETRACT.TO_TAIL",),
+    # blind-spot hunt
+    "priority_tie_later_first": ("QUEUE.PRIORITY", "QUEUE.AGING"),  # (with aging the tie is in the aged key)
+    "aging_off_by_one": ("QUEUE.AGING",),
+    "spf_counts_outputs": ("QUEUE.SPF", "QUEUE.AGING"),
+    "vtc_weight_multiplies": ("VTC.CHARGE",),
+    "vtc_charges_hits": ("VTC.CHARGE",),
+    "vtc_lift_to_max": ("VTC.LIFT",),
+    "vtc_victim_lifted": ("VTC.LIFT", "VTC.QUEUE"),
+    "vtc_abort_keeps_waiting": ("ABORT.FREE", "VTC.QUEUE"),
+    "swap_in_newest_first": ("SWAP.IN",),
+    "swap_out_counts_all_tokens": ("SWAP.OUT", "SWAP.FALLBACK_RECOMPUTE"),
+    "ratio_no_floor": ("ESTIMATE.RATIO",),
+    "retract_shortest_prompt": ("RETRACT.VICTIM_FEWEST_OUTPUTS",),
+    "estimate_unclipped": ("ESTIMATE.REMAINING", "ESTIMATE.ADMIT"),
+    "stop_token_needs_eos_ok": ("STOP.STOP_TOKEN", "STOP.IGNORE_EOS_SCOPE"),
+    "max_model_len_stop_late": ("STOP.LENGTH",),
+    "prompt_too_long_off_by_one": ("REJECT.PROMPT_TOO_LONG",),
+    "never_fits_off_by_one": ("REJECT.NEVER_FITS",),
+    "spec_accepts_past_stop": ("SPEC.ACCEPT", "STOP.STOP_TOKEN", "STOP.EOS", "STOP.LENGTH"),
+    "async_done_off_by_one": ("ASYNC.LAST_TOKEN_IN_FLIGHT",),
+    "static_refills": ("BATCH.STATIC", "BATCH.STATIC_NO_JOIN"),
+    "mru_evicted": ("KV.FREE_ORDER", "CACHE.EVICT_LRU"),
+    "edf_tie_later_first": ("QUEUE.EDF",),
+    "at_risk_one_late": ("EDF.AT_RISK_FIRST",),
+    "long_prefill_cap_running_only": ("BUDGET.LONG_PREFILL",),
 }
+
+
+def engine_bug(finding: dict) -> bool:
+    """Whether a finding's original trace diverges on gpu_engine as it is, no mutant planted: a bug
+    of the engine itself (or of the spec) that the campaign met, not the planted one.  Its catch is
+    not the mutant's (reported as masked: the campaign stopped there)."""
+    trace = random_trace(finding["seed"], **{"max_steps": MAX_STEPS, **finding["options"]})
+    try:
+        return not replay(trace, "gpu", "exact").agreed
+    except Exception:  # (an engine that raises on the trace unmutated: the same)
+        return True
 
 
 def score(mutant: Mutant, seconds: float, seed: int, stop_on_finding: bool = False) -> dict:
@@ -384,18 +490,22 @@ def score(mutant: Mutant, seconds: float, seed: int, stop_on_finding: bool = Fal
         state = run_campaign(CampaignConfig(seed=seed, engine="gpu", level="exact", seconds=seconds, workers=1,
                                             corpus=corpus, timeout=30, shrink_tries=300, stop_on_finding=stop_on_finding))
         elapsed = time.perf_counter() - t0
-    raw = {r for f in state.findings.values() for r in f.get("raw_signatures", [])}
+    masked = {name for name, f in state.findings.items() if engine_bug(f)}  # (checked unmutated)
+    findings = {name: f for name, f in state.findings.items() if name not in masked}
+    raw = {r for f in findings.values() for r in f.get("raw_signatures", [])}
     first = state.first_finding or {}
-    out = {"caught": bool(state.findings), "seconds": elapsed, "traces": state.traces, "findings": len(state.findings),
+    if first.get("finding") in masked:  # the first report was the engine's own bug, not the mutant's
+        first = {}
+    out = {"caught": bool(findings), "seconds": elapsed, "traces": state.traces, "findings": len(findings),
            "raw": len(raw), "first": first.get("seconds"), "first_traces": first.get("traces"),
-           "divergent": sum(f["count"] for f in state.findings.values()),
-           "interactions": dict(state.interactions)}
-    if state.findings:
-        name = first.get("finding") if first.get("finding") in state.findings else \
-            min(state.findings, key=lambda n: state.findings[n]["first_trace"])
-        f = state.findings[name]
+           "divergent": sum(f["count"] for f in findings.values()),
+           "interactions": dict(state.interactions), "masked": sorted(masked)}
+    if findings:
+        name = first.get("finding") if first.get("finding") in findings else \
+            min(findings, key=lambda n: findings[n]["first_trace"])
+        f = findings[name]
         rule = f["signature"][2]
-        out.update(signature=", ".join(sorted(state.findings)), requests=f.get("requests"),
+        out.update(signature=", ".join(sorted(findings)), requests=f.get("requests"),
                    original=f.get("original_requests"), rule=rule, rule_ok=rule in AT_FAULT.get(mutant.name, ()))
     return out
 
@@ -411,7 +521,9 @@ def row(m: Mutant, r: dict) -> str:
     named = f"`{r['rule']}` ({'yes' if r['rule_ok'] else 'no: ' + ' / '.join(AT_FAULT.get(m.name, ('?',)))})" \
         if r.get("rule") else "-"
     label = f"`{m.name}` ({m.bug})" + (f" — *{m.interaction}*" if m.interaction else "")
-    return (f"| {label} | {m.family} | {'yes' if r['caught'] else '**no**'} | {first} | {named} | "
+    caught = "yes" if r["caught"] else "**no**" + (f" (masked: the engine's own bug {', '.join(r['masked'])})"
+                                                   if r.get("masked") else "")
+    return (f"| {label} | {m.family} | {caught} | {first} | {named} | "
             f"{r['findings']} | {r['raw']} | {r['divergent']} | {r['traces']} | {size} | {r.get('signature', '-')} |")
 
 
@@ -422,6 +534,10 @@ def summary(results: list[dict], seconds: float, seed: int, stop_on_finding: boo
     named = [r for r in caught if r.get("rule")]
     text = (f"{len(caught)}/{len(results)} mutants caught within {seconds:g} s each (one worker, seed {seed}"
             + (", stopping at the first finding" if stop_on_finding else "") + ").")
+    masked = [r for r in results if not r["caught"] and r.get("masked")]
+    if masked:
+        text += (f" {len(masked)} not credited: their first report was a divergence gpu_engine shows unmutated "
+                 f"({', '.join(sorted({n for r in masked for n in r['masked']}))}).")
     if caught:
         text += (f" Findings per caught bug: mean {sum(per_bug) / len(per_bug):.2f}, max {per_bug[-1]}, "
                  f"{sum(1 for n in per_bug if n == 1)}/{len(per_bug)} exactly one (raw signatures: mean "
@@ -442,7 +558,8 @@ def seeds_table(mutants: list[Mutant], seeds: int, seconds: float, first_seed: i
     print(lines[0] + "\n" + lines[1], flush=True)
     for m in mutants:
         rs = [score(m, seconds, first_seed + k, stop_on_finding=True) for k in range(seeds)]
-        times = ", ".join(f"{r['first']:.1f} s" if r["caught"] and r.get("first") is not None else "—" for r in rs)
+        times = ", ".join(f"{r['first']:.1f} s" if r["caught"] and r.get("first") is not None else
+                          "masked" if r.get("masked") else "—" for r in rs)
         traces = ", ".join(str(r["first_traces"]) if r["caught"] else "—" for r in rs)
         rules = sorted({f"`{r['rule']}`" + ("" if r["rule_ok"] else " (no)") for r in rs if r.get("rule")})
         line = (f"| `{m.name}` | {m.interaction or '-'} | {sum(r['caught'] for r in rs)}/{seeds} | {times} | {traces} | "
