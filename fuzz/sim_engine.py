@@ -412,6 +412,12 @@ def _span(engine, result: SimResult, tracker: BatchTracker, cost: CostModel, now
         kv0 = xp_total(sched.num_tokens[sched.running])
     else:
         kv0 = sum(tracker.computed[r] for r in names) + decodes
+    if next_arrival is not None and cost.per_kv_token_s >= 0:
+        # no step is shorter than the first (the KV only grows): fewer than (arrival - now) / first
+        # steps end before the arrival, so the steps past that many + 1 need no duration
+        first = (cost.fixed_s + cost.per_prefill_token_s * 0) + cost.per_decode_seq_s * decodes + cost.per_kv_token_s * kv0
+        first = max(round(first * NS_PER_S) - 1, 1)  # (one ns less: a bound, whatever the rounding)
+        bound = min(bound, -(-(next_arrival - now) // first) + 1)
     step_ns = _span_step_ns(cost, decodes, kv0, bound)
     ends = now + np.cumsum(step_ns)
     if next_arrival is not None:  # step j starts at ends[j-1]; one starting at or after the arrival adds it

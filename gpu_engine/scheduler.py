@@ -611,10 +611,14 @@ class Scheduler:
             cnt = cnt if cnt is not None else counts.tolist()
             if sum(cnt) <= xp.SMALL:  # short runs: built on host ints
                 return self._entries_host(slots.tolist(), cnt, offset.tolist(), reverse)
+        # entry g of the flat run (request r's i-th: g = excl[r] + i) is column offset[r] + i, or
+        # reversed offset[r] - 1 - i: one repeat of a per-request term, plus or minus g
         rows = xp.repeat(slots, counts)
-        within = self.be.arange(len(rows)) - xp.repeat(xp.exclusive_cumsum(counts), counts)
-        base = xp.repeat(offset, counts)
-        return rows, (base - 1 - within if reverse else base + within)
+        excl = xp.exclusive_cumsum(counts)
+        flat = self.be.arange(len(rows))
+        if reverse:
+            return rows, xp.repeat(offset - 1 + excl, counts) - flat
+        return rows, xp.repeat(offset - excl, counts) + flat
 
     def _entries_host(self, slots: list, counts: list, offset: list, reverse: bool):
         """:meth:`_table_entries` of a few short runs, as host lists turned into arrays."""
