@@ -223,7 +223,7 @@ def _state_divergence(step: int, s: StepRecord | None, e: StepRecord | None, lev
 
 #: Rule-id families that explain each field, best first.
 _FAMILIES = {
-    "scheduled": ("RUN.", "ADMIT.", "BUDGET.", "PREEMPT.", "KV.", "CACHE."),
+    "scheduled": ("EDF.", "RUN.", "ADMIT.", "BUDGET.", "PREEMPT.", "KV.", "CACHE."),
     "new": ("ADMIT.", "KV.", "BUDGET.", "CACHE."),
     "resumed": ("ADMIT.", "KV.", "BUDGET.", "CACHE."),
     "preempted": ("PREEMPT.", "RUN.", "KV."),
