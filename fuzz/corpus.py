@@ -302,7 +302,7 @@ def group_signature(result: ReplayResult) -> Signature:
     compared = set(fields_at(result.level))
     config = result.trace.config if result.trace is not None else {}  # (the trace's policy names a queue rule)
     late = ghost(spec, eng, [r for r in result.spec_records if r.step < div.step])
-    if late is not None and late[0] in compared:  # the engine runs a request the spec had ended
+    if late is not None and (late[0] in compared or late[0] == "computed"):  # the engine runs or holds a request the spec ended
         return (div.kind, late[0], late[2])
     for name in CAUSE_ORDER:
         if name not in compared:

@@ -530,11 +530,15 @@ def ended_rule(history: Iterable[StepRecord], request: str | None) -> str | None
 
 def ghost(spec: StepRecord | None, engine: StepRecord | None, history: list[StepRecord]) -> tuple[str, str, str] | None:
     """``(field, request, rule)`` for a request the engine runs at this step (scheduled, admitted or
-    resumed) that the spec had already ended (:func:`ended_rule`), or None."""
+    resumed), or still holds (its optional ``computed`` state: a preempted request it keeps queued,
+    which counts towards the long-prefill cap's eligible requests), that the spec had already ended
+    (:func:`ended_rule`), or None."""
     if engine is None or not history:
         return None
     mine = {r for r, _ in (spec.scheduled if spec else ())}
-    for name, ids in (("resumed", engine.resumed), ("new", engine.new), ("scheduled", [r for r, _ in engine.scheduled])):
+    held = [r for r in (engine.computed or {}) if spec is None or r not in (spec.computed or {})]
+    for name, ids in (("resumed", engine.resumed), ("new", engine.new), ("scheduled", [r for r, _ in engine.scheduled]),
+                      ("computed", held)):
         for rid in ids:
             rule = None if rid in mine else ended_rule(history, rid)
             if rule is not None:
