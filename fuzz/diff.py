@@ -532,7 +532,8 @@ def ghost(spec: StepRecord | None, engine: StepRecord | None, history: list[Step
     """``(field, request, rule)`` for a request the engine runs at this step (scheduled, admitted or
     resumed), or still holds (its optional ``computed`` state: a preempted request it keeps queued,
     which counts towards the long-prefill cap's eligible requests), that the spec had already ended
-    (:func:`ended_rule`), or None."""
+    (:func:`ended_rule`) before or at this step (an abort comes before the step's schedule), or None."""
+    history = list(history) + ([spec] if spec is not None else [])
     if engine is None or not history:
         return None
     mine = {r for r, _ in (spec.scheduled if spec else ())}
