@@ -2070,7 +2070,8 @@ class Scheduler:
         hashed, their tables freed in batch order after the step's pops and registrations.
         ``outputs(slot, first, count)`` gives the tokens a request samples (its output
         indices ``first .. first + count - 1``).  Returns ``(0, [], [])`` when no step
-        qualifies, or only one that stops nobody: run it as a step.
+        qualifies, or only one that no length limit stops (``k_max = 1``) or that stops nobody:
+        run it as a step.
         """
         bs = self.bs
         run = self.running
@@ -2078,8 +2079,8 @@ class Scheduler:
         t = xp.to_list(self.num_tokens[run])
         stop_at = xp.to_list(self.stop_at[run])
         k = min([k_max] + [st - tt for st, tt in zip(stop_at, t)])  # through the first length stop
-        if k < 1:
-            return 0, [], []
+        if k < 1 or (k == 1 and k_max == 1 and min(st - tt for st, tt in zip(stop_at, t)) > 1):
+            return 0, [], []  # (one step that no length limit ends: a span only if it samples a stop; left to step())
         nout = xp.to_list(self.num_output_tokens[run])
         eos_ok = xp.to_list(self.ignore_eos[run] == 0)
         toks, rows, stopping = [], [], []  # each request's tokens as a list (hashing), and as given (written back)
