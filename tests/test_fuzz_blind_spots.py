@@ -107,3 +107,29 @@ def test_queue_order_placeholders_are_no_spec_rules():
     assert as_configured("QUEUE.ORDER_RESUMED", {"policy": "fcfs"}) == "QUEUE.VICTIM_TO_FRONT"
     assert as_configured("QUEUE.ORDER_RESUMED", {"policy": "fcfs", "admission": "estimate"}) == "RETRACT.TO_TAIL"
     assert as_configured("QUEUE.ORDER", {"policy": "vtc"}) == "VTC.PICK"
+
+
+def _reason(rule, request=None):
+    return {"rule": rule, "text": "-", **({"request": request} if request else {})}
+
+
+def test_a_request_the_engine_resumes_in_the_step_the_spec_aborted_it_names_the_abort():
+    mem = dict(num_free_blocks=3, blocks={}, num_evicted=0)
+    before = StepRecord(1, scheduled=[("A", 4)], **mem)
+    spec = StepRecord(2, scheduled=[("A", 4)], aborted=["B"], reasons=[_reason("ABORT.FREE", "B"), _reason("RUN.DECODE", "A")],
+                      **mem)
+    engine = StepRecord(2, scheduled=[("A", 4), ("B", 3)], resumed=["B"], aborted=["B"], **mem)
+    d = first_divergence([spec], [engine], "memory", history=[before])
+    assert d is not None and d.rule == "ABORT.FREE" and d.request == "B"
+
+
+def test_a_request_the_engine_still_holds_after_the_spec_ended_it_names_the_rule_that_ended_it():
+    """Its count moves the long-prefill cap (eligible requests): the abort, not the cap, is the cause."""
+    mem = dict(num_free_blocks=3, blocks={}, num_evicted=0)
+    gone = StepRecord(1, aborted=["B"], reasons=[_reason("ABORT.FREE", "B")], **mem)
+    spec = StepRecord(2, scheduled=[("A", 8)], token_cap=0, computed={"A": 8}, reasons=[_reason("RUN.PREFILL_CHUNK", "A")], **mem)
+    engine = StepRecord(2, scheduled=[("A", 4)], token_cap=4, computed={"A": 4, "B": 0}, **mem)
+    from fuzz.diff import ghost
+
+    assert ghost(spec, engine, [gone]) == ("computed", "B", "ABORT.FREE")
+    assert ghost(spec, StepRecord(2, scheduled=[("A", 4)], computed={"A": 4}, **mem), [gone]) is None
