@@ -116,9 +116,10 @@ def _reason(rule, request=None):
 def test_a_request_the_engine_resumes_in_the_step_the_spec_aborted_it_names_the_abort():
     mem = dict(num_free_blocks=3, blocks={}, num_evicted=0)
     before = StepRecord(1, scheduled=[("A", 4)], **mem)
-    spec = StepRecord(2, scheduled=[("A", 4)], aborted=["B"], reasons=[_reason("ABORT.FREE", "B"), _reason("RUN.DECODE", "A")],
-                      **mem)
-    engine = StepRecord(2, scheduled=[("A", 4), ("B", 3)], resumed=["B"], aborted=["B"], **mem)
+    spec = StepRecord(2, scheduled=[("A", 4)], aborted=["B"], token_cap=0,
+                      reasons=[_reason("ABORT.FREE", "B"), _reason("RUN.DECODE", "A")], **mem)
+    # (B counted as eligible moves the long-prefill cap too: the abort, not the cap, is the cause)
+    engine = StepRecord(2, scheduled=[("A", 4), ("B", 3)], resumed=["B"], aborted=["B"], token_cap=4, **mem)
     d = first_divergence([spec], [engine], "memory", history=[before])
     assert d is not None and d.rule == "ABORT.FREE" and d.request == "B"
 
