@@ -162,6 +162,9 @@ class Scheduler:
         # only a prefill batch's first request may be cut and a cut prefill continues first
         # (ADMIT.CHUNK_ONLY_FIRST, RUN.CONTINUE_PREFILL_FIRST)
         self.register_computed = c.cache_register != "allocation"  # (not at allocation)
+        # CACHE.DEDUP_ON_INSERT at allocation (block-LRU pool): a request's registration frees the copies
+        # it de-duplicates, which the next request's fit and pops see: allocate one request at a time
+        self.one_at_a_time = self.dedup and not self.leaf_lru and not self.register_computed
         self.step_scope = c.max_num_seqs_scope == "step"
         self.first_continues = c.prefill_chunking == "first-continues"
         # SGLang's knobs: a cut prefill (the last of its batch) continues first too
@@ -787,8 +790,10 @@ class Scheduler:
         """:meth:`_allocate` then :meth:`_cache_allocated` for ``slots``.  Under
         cache_duplicates="latest" with registration at allocation, one request's registration
         can take a hash from a free cached block that a later request of the same call then
-        pops (so popping it evicts nothing): the requests go one at a time, in order."""
-        if not (self.pool.latest_wins and not self.register_computed and len(slots) > 1):
+        pops (so popping it evicts nothing); under cache_dedup="on-insert" it frees the copies
+        it de-duplicates, which a later request then pops (instead of evicting a cached block):
+        the requests go one at a time, in order."""
+        if not ((self.pool.latest_wins and not self.register_computed or self.one_at_a_time) and len(slots) > 1):
             self._allocate(slots, need)
             self._cache_allocated(slots, upto_tokens)
             return
@@ -1248,7 +1253,7 @@ class Scheduler:
         num_scheduled = len(served[0]) if early else 0
         give_back = c.policy == "priority" or self.estimate or self.slack_victim or early
         while i < len(run) and budget > 0 and (limit is None or num_scheduled < limit):
-            seg = run[i:]
+            seg = run[i:i + 1] if self.one_at_a_time else run[i:]
             comp = self.num_computed_tokens[seg]
             ntok = self.num_tokens[seg]
             n, need, f, take, failed = self._segment(seg, comp, ntok, budget, cap,
@@ -1260,6 +1265,9 @@ class Scheduler:
             budget -= xp.total(tn)
             num_scheduled += len(ts)
             if not failed:
+                if self.one_at_a_time and f == len(seg) and i + 1 < len(run):
+                    i += 1
+                    continue
                 break
             # -- preemption event at run[i + f] --
             p = i + f
@@ -1448,7 +1456,8 @@ class Scheduler:
         # speculative decoding: one candidate per round (a padded admission pops more blocks than
         # the window's conflict test assumes)
         # leaf-lru: one candidate per round (a lookup splits and stamps the tree, the spec's per head)
-        single = self.num_spec or self.leaf_lru
+        # dedup at allocation: one candidate per round (see one_at_a_time)
+        single = self.num_spec or self.leaf_lru or self.one_at_a_time
         window = 1 if single else 8
         while budget > 0 and self.num_waiting > 0 and self._room(scheduled) > 0:
             if self.tc is not None:  # VTC: one admission per round, each charge moves the pick
