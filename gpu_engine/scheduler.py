@@ -1367,7 +1367,7 @@ class Scheduler:
         if len(grow) > self.pool.num_free:
             self._plan = None
             return None
-        if self.pool.latest_wins:
+        if self.pool.latest_wins or self.one_at_a_time:  # (request by request: see _allocate_cached)
             self._allocate_cached(run, xp.as_int(F.decode_grows(ntok, self.num_blocks[run], self.bs)), ntok)
         else:
             if len(grow):
