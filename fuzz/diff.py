@@ -211,7 +211,8 @@ def _state_divergence(step: int, s: StepRecord | None, e: StepRecord | None, lev
                 return Divergence(step, name, _plain(a), _plain(b), request, cause[0], cause[1], DECISION, engine, context)
         families = _FAMILIES[name]
         if request is None:  # a per-tenant or per-step figure: the step's first reason of its family
-            cited = next((r for r in context if str(r.get("rule", "")).startswith(families)), None)
+            cited = next((r for r in context if str(r.get("rule", "")).startswith(families)
+                          and (name != "vtc_counters" or _names_tenant(r, a, b))), None)
             rule, text = (cited.get("rule"), cited.get("text")) if cited else (None, None)
         if rule is None or not rule.startswith(families):
             rule, text = STATE_RULES[name], f"the spec's {name} after step {step} (no reason of this rule recorded)"
@@ -219,6 +220,13 @@ def _state_divergence(step: int, s: StepRecord | None, e: StepRecord | None, lev
             rule, text = "CACHE.HIT", f"{request} was admitted with a prefix hit of {s.cache_hits[request]} tokens"
         return Divergence(step, name, _plain(a), _plain(b), request, rule, text, DECISION, engine, context)
     return None
+
+
+def _names_tenant(reason: dict, a: dict, b: dict) -> bool:
+    """Whether a VTC reason (a lift at arrival, a victim's return without one) is about a tenant whose
+    counter differs: only then does it explain the difference (else the charges do, VTC.CHARGE)."""
+    differ = [t for t in set(a) | set(b) if not _close(a.get(t), b.get(t))]
+    return any(f"tenant {t!r}" in str(reason.get("text", "")) for t in differ)
 
 
 #: Rule-id families that explain each field, best first.

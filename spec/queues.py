@@ -206,6 +206,7 @@ class VTCQueue:
         self.queues: dict[str, deque] = {}  # tenant -> its waiting requests, first seen first
         self.counters: dict[str, float] = {}
         self.last_left: str | None = None  # the tenant whose queue emptied last
+        self.lifted: tuple[str, float, float] | None = None  # the last add's lift: tenant, counter before, after
         self._n = 0
 
     def __len__(self) -> int:
@@ -249,8 +250,11 @@ class VTCQueue:
         if tenant not in self.queues:
             self.queues[tenant] = deque()
             self.counters[tenant] = 0.0
+        self.lifted = None
         if not self.queues[tenant]:
+            before = self.counters[tenant]
             self.lift(tenant)
+            self.lifted = (tenant, before, self.counters[tenant])
         self.queues[tenant].append(req)
         self._n += 1
 
