@@ -83,10 +83,17 @@ STEERING: dict[str, dict[str, Any]] = {
     "QUEUE.PRIORITY": {"policy": "priority"},
     # (aging's knob is a positive number, no plain value in RULE_NEEDS; 4 steps: ages differ between requests)
     "QUEUE.AGING": {"policy": "priority", "aging_steps": 4},
+    # a length-ordered queue re-sorts preempted victims: memory pressure makes victims
+    "QUEUE.SPF": {"policy": "spf", "tight_memory": True},
+    "QUEUE.SPRPT": {"policy": "sprpt", "tight_memory": True},
     "REJECT.": {"rejections": True},
     "STOP.EOS": {"eos": True},
     "STOP.STOP_TOKEN": {"stop_tokens": True},
     "ABORT.": {"aborts": True},
+    # an abort that empties a tenant's fair queue: its next arrival must be lifted again (VTC.LIFT)
+    "VTC.LIFT": {"policy": "vtc", "aborts": True},
+    # a preempted request's return to its tenant's queue (no lift: its tenant never left)
+    "VTC.QUEUE": {"policy": "vtc", "tight_memory": True},
     # a low, fast-decaying estimate admits more than memory holds: a decode must retract
     "RETRACT.": {"admission": "estimate", "tight_memory": True, "new_token_ratio_init": 0.2,
                  "new_token_ratio_decay_steps": 4},
