@@ -111,7 +111,7 @@ def test_a_request_that_can_never_fit_crashes_nano_vllm_and_is_rejected_by_the_s
 #: finding -> (step, field) of the first divergence its description states.
 FINDINGS = {
     "never-fits-prompt": (0, "scheduled"),
-    "never-fits-growth": (0, "scheduled"),
+    "never-fits-growth": (0, "new"),  # nano-vllm admits A, which the spec rejected at arrival (REJECT.NEVER_FITS)
     "past-max-model-len": (1, "finished"),
     "decode-ignores-budget": (2, "scheduled"),
 }
