@@ -532,7 +532,8 @@ def ended_rule(history: Iterable[StepRecord], request: str | None) -> str | None
             if rid == request:
                 mine = [str(r.get("rule")) for r in rec.reasons or () if r.get("request") == request
                         and str(r.get("rule", "")).startswith(("STOP.", "REJECT."))]
-                return mine[0] if mine else None
+                # (a log without reasons, e.g. another engine's as the reference: a refusal's own reason)
+                return mine[0] if mine else _REJECT_RULES.get(why) if (rid, why) in rec.rejected else None
     return None
 
 
