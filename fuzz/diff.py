@@ -211,8 +211,9 @@ def _state_divergence(step: int, s: StepRecord | None, e: StepRecord | None, lev
                 return Divergence(step, name, _plain(a), _plain(b), request, cause[0], cause[1], DECISION, engine, context)
         families = _FAMILIES[name]
         if request is None:  # a per-tenant or per-step figure: the step's first reason of its family
+            about = _differing_tenants(a, b) if name == "vtc_counters" else None
             cited = next((r for r in context if str(r.get("rule", "")).startswith(families)
-                          and (name != "vtc_counters" or _names_tenant(r, a, b))), None)
+                          and (about is None or any(f"tenant {t!r}" in str(r.get("text", "")) for t in about))), None)
             rule, text = (cited.get("rule"), cited.get("text")) if cited else (None, None)
         if rule is None or not rule.startswith(families):
             rule, text = STATE_RULES[name], f"the spec's {name} after step {step} (no reason of this rule recorded)"
@@ -222,11 +223,10 @@ def _state_divergence(step: int, s: StepRecord | None, e: StepRecord | None, lev
     return None
 
 
-def _names_tenant(reason: dict, a: dict, b: dict) -> bool:
-    """Whether a VTC reason (a lift at arrival, a victim's return without one) is about a tenant whose
-    counter differs: only then does it explain the difference (else the charges do, VTC.CHARGE)."""
-    differ = [t for t in set(a) | set(b) if not _close(a.get(t), b.get(t))]
-    return any(f"tenant {t!r}" in str(reason.get("text", "")) for t in differ)
+def _differing_tenants(a: dict, b: dict) -> list[str]:
+    """The tenants whose VTC counters differ: a VTC reason (a lift at arrival, a victim's return
+    without one) about one of them explains the difference (else the charges do, VTC.CHARGE)."""
+    return [t for t in set(a) | set(b) if not _close(a.get(t), b.get(t))]
 
 
 #: Rule-id families that explain each field, best first.

@@ -165,6 +165,9 @@ class Scheduler:
         # CACHE.DEDUP_ON_INSERT at allocation (block-LRU pool): a request's registration frees the copies
         # it de-duplicates, which the next request's fit and pops see: allocate one request at a time
         self.one_at_a_time = self.dedup and not self.leaf_lru and not self.register_computed
+        # registration at allocation that changes what the next request pops (de-duplication frees copies;
+        # cache_duplicates="latest" takes a hash over from a free cached block): allocate in order
+        self.allocate_in_order = self.one_at_a_time or (self.pool.latest_wins and not self.register_computed)
         self.step_scope = c.max_num_seqs_scope == "step"
         self.first_continues = c.prefill_chunking == "first-continues"
         # SGLang's knobs: a cut prefill (the last of its batch) continues first too
@@ -793,7 +796,7 @@ class Scheduler:
         pops (so popping it evicts nothing); under cache_dedup="on-insert" it frees the copies
         it de-duplicates, which a later request then pops (instead of evicting a cached block):
         the requests go one at a time, in order."""
-        if not ((self.pool.latest_wins and not self.register_computed or self.one_at_a_time) and len(slots) > 1):
+        if not (self.allocate_in_order and len(slots) > 1):
             self._allocate(slots, need)
             self._cache_allocated(slots, upto_tokens)
             return
@@ -1367,7 +1370,7 @@ class Scheduler:
         if len(grow) > self.pool.num_free:
             self._plan = None
             return None
-        if self.pool.latest_wins or self.one_at_a_time:  # (request by request: see _allocate_cached)
+        if self.allocate_in_order:  # (request by request: see _allocate_cached)
             self._allocate_cached(run, xp.as_int(F.decode_grows(ntok, self.num_blocks[run], self.bs)), ntok)
         else:
             if len(grow):
