@@ -162,7 +162,7 @@ def test_nano_vllm_decode_spans_only_with_registration_at_allocation(azure):
 
 
 def test_primed_tokens_equal_the_trace_rule():
-    """Prompts and outputs synthesized in bulk runs (one affine CRC per index, :func:`_crc_runs`)
+    """Prompts and outputs synthesized in bulk runs (one affine CRC per index, :func:`_synthetic_runs`)
     equal each request's own token rule, across digit-count boundaries and shared prefixes."""
     reqs = [TraceRequest(id=f"p{i}", prompt_len=7 + 131 * i, max_tokens=3 + 97 * i, prefix_group="g" if i % 2 else None,
                          prefix_len=40) for i in range(12)]
