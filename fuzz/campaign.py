@@ -97,6 +97,18 @@ STEERING: dict[str, dict[str, Any]] = {
     # a low, fast-decaying estimate admits more than memory holds: a decode must retract
     "RETRACT.": {"admission": "estimate", "tight_memory": True, "new_token_ratio_init": 0.2,
                  "new_token_ratio_decay_steps": 4},
+    # an eviction order shows only when cached blocks are popped again: a short pool
+    "CACHE.EVICT": {"prefix_groups": True, "enable_prefix_caching": True, "clones": True, "tight_memory": True},
+    # the estimate's rules bind when memory is short and prefills are cut: a continued chunk's charge,
+    # the admission hold a cut releases, the ignore_eos reserve's simulation
+    "ESTIMATE.": {"admission": "estimate", "tight_memory": True, "enable_chunked_prefill": True,
+                  "max_num_batched_tokens": 16},
+    # SLO admission control acts on waiting requests that can no longer make their deadline: a small
+    # budget and a short pool keep a queue of them (deferral re-keys them behind the rest)
+    "SLO.": {"policy": "edf", "slo_admission": "defer", "tight_memory": True, "enable_chunked_prefill": True,
+             "max_num_batched_tokens": 16},
+    "SLO.REFUSE": {"policy": "edf", "slo_admission": "refuse", "tight_memory": True, "enable_chunked_prefill": True,
+                   "max_num_batched_tokens": 16},
     # SGLang's eager eviction needs both: a retraction, and cached leaves to evict
     "CACHE.EVICT_ON_RETRACT": {"admission": "estimate", "tight_memory": True, "new_token_ratio_init": 0.2,
                                "new_token_ratio_decay_steps": 4, "prefix_groups": True},

@@ -289,7 +289,7 @@ def group_signature(result: ReplayResult) -> Signature:
     allocation), not the rule for what the request involved did in that step (``ADMIT.NEW``,
     ``RUN.PREFILL_CHUNK``), which is as incidental to a block-accounting bug as its id."""
     from fuzz.diff import (DECISION, _involved, _value, as_configured, budget_giveback_rule, decision_cause, field_rule,
-                           ghost, spec_reason)
+                           ghost, hit_differs, spec_reason)
     from fuzz.shrink import signature
     from spec.formats import StepRecord, fields_at
 
@@ -315,13 +315,16 @@ def group_signature(result: ReplayResult) -> Signature:
             request = next(iter(sorted(set((spec or StepRecord(0)).sampled) ^ set((eng or StepRecord(0)).sampled))), None)
         else:
             request = _involved(name, a, b)
+        if hit_differs(spec, eng, request):  # admitted on both sides with another prefix hit: the hit decided it
+            return (div.kind, name, "CACHE.HIT")
         if name == "finished":  # the stop rule of whichever side finished it: the same bug either way round
             return (div.kind, name, _cause_rule(spec, request, name) or _stop_rule(eng, request) or "-")
         if name in _CAUSE_FAMILIES:  # only a rule that decides this field names it (else "-", not an unrelated one)
             own = as_configured(field_rule(name, spec, eng, request), config) if spec and eng else None
             return (div.kind, name, _cause_rule(spec, request, name) or own or "-")
         giveback = budget_giveback_rule(spec, request)  # the budget this request got came from a victim's tokens
-        cause = giveback[0] if giveback else as_configured(decision_cause(name, spec, eng, request), config)
+        previous = next((r for r in reversed(result.spec_records) if r.step < div.step), None)
+        cause = giveback[0] if giveback else as_configured(decision_cause(name, spec, eng, request, previous), config)
         return (div.kind, name, cause or spec_reason(spec, request, name)[0] or "-")
     if div.field in _MEMORY_FIELDS:  # the memory event behind the spec's value (fuzz.diff.memory_rule)
         from fuzz.diff import as_configured, memory_rule

@@ -207,6 +207,10 @@ def _state_divergence(step: int, s: StepRecord | None, e: StepRecord | None, lev
         rule, text, context = spec_reason(s, request, name)
         if name == "computed" and request is not None:  # a victim's reset, or a request the spec ended
             cause = computed_rule(s, request, history())
+            if cause is None and request in (s.accepted or {}):  # its drafts were verified in this step
+                cause = (("SPEC.ACCEPT", f"{request}'s verification accepted another number of drafts")
+                         if (e.accepted or {}).get(request) != s.accepted[request] else
+                         ("SPEC.ROLLBACK", f"{request}'s rejected drafts were taken back from its computed tokens"))
             if cause is not None:
                 return Divergence(step, name, _plain(a), _plain(b), request, cause[0], cause[1], DECISION, engine, context)
         families = _FAMILIES[name]
@@ -493,9 +497,16 @@ def as_configured(rule: str | None, config: dict[str, Any]) -> str | None:
     tree evicts whole leaves), so a report on an SGLang-profile trace names that one, and one request's
     release in another order names ``KV.FREE_IN_ORDER`` there (SGLang frees head first).  A different
     pick from the waiting queue (:data:`QUEUE_ORDER`) names the policy's order rule."""
-    if rule not in ("CACHE.EVICT_LRU", "KV.FREE_REVERSED", QUEUE_ORDER, QUEUE_ORDER_RESUMED, *_REJECT_RULES.values()):
+    if rule not in ("CACHE.EVICT_LRU", "KV.FREE_REVERSED", "KV.FREE_ORDER", QUEUE_ORDER, QUEUE_ORDER_RESUMED,
+                    *_REJECT_RULES.values()):
         return rule
     from spec.config import ConfigError, resolve
+
+    if rule == "KV.FREE_ORDER":  # under free_block_order=tail every release goes to the tail: KV.FREE_TO_TAIL
+        try:
+            return "KV.FREE_TO_TAIL" if resolve(config).free_block_order == "tail" else rule
+        except (ConfigError, TypeError, ValueError):
+            return rule
 
     if rule.startswith("REJECT."):  # under length_limits=clip one rule refuses at arrival: the input limit
         try:
@@ -526,8 +537,10 @@ def ended_rule(history: Iterable[StepRecord], request: str | None) -> str | None
     the spec's ``history``), or None: an engine that still runs it broke that rule, whatever the
     step's own reasons say about the requests it crowded out."""
     for rec in history:
-        if request in rec.aborted:
-            return "ABORT.FREE"
+        if request in rec.aborted:  # the spec's own abort rule for it (a cut prefill freed at once, ...)
+            mine = [str(r.get("rule")) for r in rec.reasons or () if r.get("request") == request
+                    and str(r.get("rule", "")).startswith("ABORT.")]
+            return mine[0] if mine else "ABORT.FREE"
         for rid, why in list(rec.finished) + list(rec.rejected):
             if rid == request:
                 mine = [str(r.get("rule")) for r in rec.reasons or () if r.get("request") == request
@@ -556,7 +569,8 @@ def ghost(spec: StepRecord | None, engine: StepRecord | None, history: list[Step
     return None
 
 
-def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None, request: str | None) -> str | None:
+def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None, request: str | None,
+                   previous: StepRecord | None = None) -> str | None:
     """The rule behind the spec's value when the two sides decided the same thing differently in
     degree, not in kind — the request's own ``RUN.*`` / ``ADMIT.*`` reason says only that it ran:
 
@@ -568,12 +582,21 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
       ahead of it): the order preempted requests wait in (``QUEUE.VICTIM_TO_FRONT``);
     * any of ``scheduled`` / ``new`` / ``resumed`` in a step whose per-request token cap differs
       (``token_cap``, when both logs carry it): the cap rule (``BUDGET.LONG_PREFILL``), whose
-      statement says who is capped and who, alone, is not."""
+      statement says who is capped and who, alone, is not;
+    * ``scheduled`` / ``new`` / ``resumed``, a request the spec admits where the engine admits nobody, right after a
+      step in which the spec held admission (``previous``, the spec's record before): the spec released
+      the hold the engine kept (``ESTIMATE.HOLD_UNTIL_DEPARTURE``)."""
     if spec is None or engine is None or request is None:
         return None
+    if name in _BUDGETED and previous is not None and request in list(spec.new) + list(spec.resumed) \
+            and not engine.new and not engine.resumed \
+            and any(r.get("rule") == "ESTIMATE.HOLD_UNTIL_DEPARTURE" for r in previous.reasons or ()):
+        return "ESTIMATE.HOLD_UNTIL_DEPARTURE"
     if name in _BUDGETED and spec.token_cap is not None and engine.token_cap is not None \
             and spec.token_cap != engine.token_cap:  # the per-request cap differs: the cap rule decided it
         return "BUDGET.LONG_PREFILL"
+    if hit_differs(spec, engine, request):  # admitted on both sides, with another prefix hit: all else follows
+        return "CACHE.HIT"
     order = queue_order_cause(spec, engine, request) if name in _BUDGETED else None
     if order is not None:
         return order
@@ -595,6 +618,18 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
         if (spec.resumed and engine.resumed) or (request in engine.resumed and request not in considered):
             return "QUEUE.VICTIM_TO_FRONT"  # (the spec never reached it this step: another victim was ahead)
     return None
+
+
+def hit_differs(spec: StepRecord | None, engine: StepRecord | None, request: str | None) -> bool:
+    """Whether both sides admitted (or resumed) ``request`` at this step with different prefix hits
+    (``cache_hits``, memory levels): whatever else differs about it in that step — its tokens, a
+    finish its first sample brings, the sample itself — follows from the hit (``CACHE.HIT``; a salt
+    ignored in the hash chain shows so, as a hit the spec does not have)."""
+    if spec is None or engine is None or request is None or spec.cache_hits is None or engine.cache_hits is None:
+        return False
+    if request not in list(spec.new) + list(spec.resumed) or request not in list(engine.new) + list(engine.resumed):
+        return False
+    return spec.cache_hits.get(request, 0) != engine.cache_hits.get(request, 0)
 
 
 #: What :func:`queue_order_cause` names: the waiting queue's order, whose rule depends on the policy
@@ -745,7 +780,8 @@ def first_divergence(spec_records: Iterable[StepRecord], engine_records: Iterabl
                                   b if late[0] == name else _value(e_rec, late[0], e is None), late[1], late[2],
                                   f"the spec ended {late[1]} before this step ({late[2]})", DECISION, engine, context)
             giveback = budget_giveback_rule(s, request) if name in _BUDGETED else None
-            degree = decision_cause(name, s, e, request) if giveback is None else None
+            previous = history[-1] if history and history[-1].step < step else None
+            degree = decision_cause(name, s, e, request, previous) if giveback is None else None
             if giveback is not None:
                 rule, text = giveback[0], f"{giveback[1]} was preempted after it was scheduled in this step: its tokens went back to the budget"
             elif degree is not None:
