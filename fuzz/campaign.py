@@ -103,6 +103,8 @@ STEERING: dict[str, dict[str, Any]] = {
     # the admission hold a cut releases, the ignore_eos reserve's simulation
     "ESTIMATE.": {"admission": "estimate", "tight_memory": True, "enable_chunked_prefill": True,
                   "max_num_batched_tokens": 16},
+    # the ignore_eos reserve simulates the ignore_eos requests' outputs: many of them
+    "ESTIMATE.IGNORE_EOS_RESERVE": {"ignore_eos": True},
     # SLO admission control acts on waiting requests that can no longer make their deadline: a small
     # budget and a short pool keep a queue of them (deferral re-keys them behind the rest)
     "SLO.": {"policy": "edf", "slo_admission": "defer", "tight_memory": True, "enable_chunked_prefill": True,

@@ -82,7 +82,7 @@ MAX_PROMPT = 80
 _KNOBS = {f.name for f in fields(SchedulerConfig)} - {"profile"}
 #: Generator switches accepted by :func:`random_trace` besides the knobs.
 SWITCHES = ("n_requests", "aborts", "stop_tokens", "eos", "prefix_groups", "rejections", "tight_memory", "clones", "stress",
-            "tenants", "slo", "request_features", "interaction")
+            "tenants", "slo", "request_features", "interaction", "ignore_eos")
 #: Extreme corners a ``stress`` trace takes one to three of.
 STRESS = ("vocab", "block", "budget", "many", "short", "watermark")
 
@@ -303,6 +303,7 @@ def random_trace(seed: int, **options: Any) -> Trace:
     generator switches :data:`SWITCHES`: ``n_requests`` (int), and
     ``aborts``, ``stop_tokens``, ``eos``, ``prefix_groups``, ``rejections``,
     ``tight_memory``, ``clones``, ``stress`` (bool: force the feature on or off),
+    ``ignore_eos`` (bool: half the requests ignore EOS, not one in ten),
     ``tenants`` (int: that many tenants; drawn anyway under ``policy="vtc"``), ``interaction``
     (str: a curated interaction of :data:`fuzz.pairs.INTERACTIONS`; the drawn trace is then
     reworked towards it by :func:`fuzz.pairs.shape_trace`, e.g. an abort timed into a swap-out).
@@ -365,7 +366,7 @@ def random_trace(seed: int, **options: Any) -> Trace:
         if want_reject and rng.random() < 0.15:  # prompt_too_long: no room for one output token
             p = {"prompt_len": cfg["max_model_len"] + rng.randint(0, 4)} if cfg["max_model_len"] <= MAX_PROMPT + 4 else p
         my_stops = stops if stops and rng.random() < 0.7 else ()
-        ignore_eos = rng.random() < 0.1
+        ignore_eos = rng.random() < (0.5 if options.get("ignore_eos") else 0.1)  # (one draw either way)
         out = _draw_outputs(rng, rid, max_tokens, eos, my_stops, want_eos, vocab)
         abort_at = step + rng.randint(0, 25) if want_aborts and rng.random() < 0.3 else None
         priority = rng.randint(0, 3) if rng.random() < 0.7 else 0

@@ -81,3 +81,17 @@ def test_an_admission_the_engine_still_holds_back_names_the_hold():
     assert (div.field, div.request, div.rule) == ("scheduled", "B", "ESTIMATE.HOLD_UNTIL_DEPARTURE")
     div = first_divergence([spec], [engine], "decisions", history=[StepRecord(4, scheduled=[("A", 4)])])
     assert div.rule != "ESTIMATE.HOLD_UNTIL_DEPARTURE", "no hold the step before: the admission's own rule"
+
+
+def test_the_ignore_eos_switch_makes_half_the_requests_ignore_eos_and_keeps_the_rest_of_the_trace():
+    from fuzz.generate import random_trace
+
+    many = few = 0
+    for seed in range(40):
+        plain, forced = random_trace(seed), random_trace(seed, ignore_eos=True)
+        assert [(r.id, r.prompt_len, r.max_tokens, r.output_tokens) for r in plain.requests] == \
+               [(r.id, r.prompt_len, r.max_tokens, r.output_tokens) for r in forced.requests]
+        few += sum(r.ignore_eos for r in plain.requests)
+        many += sum(r.ignore_eos for r in forced.requests)
+    assert many > 3 * few
+    assert rule_target("ESTIMATE.IGNORE_EOS_RESERVE")["ignore_eos"] is True, "the reserve simulates ignore_eos requests"
