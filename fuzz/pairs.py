@@ -408,6 +408,14 @@ INTERACTIONS: tuple[Interaction, ...] = (
                 _same_step(("STATE.PREEMPTED",), ("CACHE.EVICT_LRU",)),
                 {**_CACHING, "tight_memory": True},
                 {"enable_prefix_caching": (True,)}),
+    Interaction("ignore_eos-reserve x running batch",
+                "SGLang's reserve admission of an ignore_eos request while others run: the simulation of every "
+                "request's remaining outputs (an ignore_eos one's unscaled, the rest's by the ratio) decides",
+                _same_step(("ESTIMATE.IGNORE_EOS_RESERVE",), ("RUN.DECODE",)),
+                {**_PRESSURE, "admission": "estimate", "ignore_eos_admission": "reserve", "enable_prefix_caching": False,
+                 "ignore_eos": True, "enable_chunked_prefill": True, "max_num_batched_tokens": 32,
+                 "async_scheduling": False},
+                {"admission": ("estimate",), "ignore_eos_admission": ("reserve",), "enable_prefix_caching": (False,)}),
 )
 
 BY_NAME = {i.name: i for i in INTERACTIONS}

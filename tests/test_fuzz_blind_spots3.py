@@ -95,3 +95,16 @@ def test_the_ignore_eos_switch_makes_half_the_requests_ignore_eos_and_keeps_the_
         many += sum(r.ignore_eos for r in forced.requests)
     assert many > 3 * few
     assert rule_target("ESTIMATE.IGNORE_EOS_RESERVE")["ignore_eos"] is True, "the reserve simulates ignore_eos requests"
+
+
+def test_the_ignore_eos_reserve_interaction_is_met_by_its_steered_traces():
+    """SGLang's reserve admission of an ignore_eos request beside a running batch (the simulation over
+    every request's remaining outputs) is rare in a drawn trace: its own options meet it."""
+    from fuzz import pairs as P
+    from fuzz.generate import random_trace
+
+    name = "ignore_eos-reserve x running batch"
+    steer = P.BY_NAME[name].steer
+    met = sum(name in P.interactions_met(P._spec_facts(random_trace(seed, **steer, interaction=name)))
+              for seed in range(10))
+    assert met >= 4, f"only {met}/10 steered traces met it"
