@@ -35,6 +35,7 @@ from fuzz.replay import replay  # noqa: E402
 from gpu_engine import xp  # noqa: E402
 from gpu_engine.block_pool import BlockPool  # noqa: E402
 from gpu_engine.fairness import TenantCounters  # noqa: E402
+from gpu_engine.radix import RadixBlockPool  # noqa: E402
 from gpu_engine.scheduler import PREEMPTED, Scheduler  # noqa: E402
 
 
@@ -367,6 +368,59 @@ BLIND_SPOT_MUTANTS = [
            _one_line(Scheduler, "schedule", "eligible = len(self.running) + self.num_waiting", "eligible = len(self.running)")),
 ]
 
+# -- blind-spot hunt, round 3: the radix cache, de-duplication, nano-vllm's free queue and cache map,
+# async, swap, SGLang's estimate admission (ratio, continued chunk, hold, ignore_eos reserve, input
+# cap and limit, aborts), VTC, SLO deferral, speculative decoding, the prefill-first batch
+
+ROUND3_MUTANTS = [
+    Mutant("radix_lookup_no_stamp", "SGL radix", "a prefix lookup does not refresh the matched nodes' access time",
+           _one_line(RadixBlockPool, "lookup", "self.stamp[h] = (t, -depth)", "pass")),
+    Mutant("radix_parent_not_requeued", "SGL radix", "a parent node an eviction leaves childless is no eviction candidate",
+           _one_line(RadixBlockPool, "make_room", "if self._evictable(ph):", "if False:")),
+    Mutant("radix_insert_no_stamp", "SGL radix", "an insert does not refresh the nodes it walks through",
+           _one_line(RadixBlockPool, "insert", "self.stamp[b] = self._tick()", "pass")),
+    Mutant("salt_ignored", "VLLM cache_salt", "the first block's hash ignores the request's cache_salt",
+           _one_line(Scheduler, "_chain", "hash_block(chain[-1] if chain else root,", "hash_block(chain[-1] if chain else None,")),
+    Mutant("dedup_keeps_copy", "SGL dedup", "de-duplication rebinds to the cached block but never frees its own copy",
+           _one_line(Scheduler, "_rebind", "self.pool.free(self.be.asarray([own]), self.be.asarray([0]))", "pass")),
+    Mutant("latest_keeps_old_hash", "nano-vllm cache map", "cache_duplicates=latest: the block a hash moves away from keeps it",
+           _one_line(BlockPool, "_register_latest", "self.block_hash[old] = -1", "pass")),
+    Mutant("tail_free_to_head", "nano-vllm free queue", "free_block_order=tail: freed blocks go to the head",
+           _one_line(BlockPool, "free", "self.queue.append(seq[xp.nonzero(last & zero)])",
+                     "self.queue.prepend(seq[xp.nonzero(last & zero)])")),
+    Mutant("placeholders_kept_on_preempt", "ASYNC", "async: a preempted request keeps its in-flight placeholders",
+           _one_line(Scheduler, "_preempt", "self.placeholders[rc] = 0", "pass")),
+    Mutant("swap_in_keeps_cpu", "VLLM V0 swap", "swap-in does not give the CPU blocks back",
+           _one_line(Scheduler, "_schedule_swapped", "self.cpu_free += xp.total(self.cpu_blocks[adm])", "pass")),
+    Mutant("retract_ratio_one_step", "SGL new_token_ratio", "after a retraction the ratio counts one step per request, "
+           "not retract_decode_steps",
+           _one_line(Scheduler, "_next_ratio", "(outputs + c.retract_decode_steps * len(self.running))",
+                     "(outputs + len(self.running))")),
+    Mutant("abort_cut_waits", "SGL abort", "an aborted cut prefill waits for a next sample instead of going at once",
+           _one_line(Scheduler, "abort", "cut = any(t == s and self.ids[t] == rid for t, rid in self.cut)", "cut = False")),
+    Mutant("no_chunking_cap_inclusive", "SGL input cap", "without chunking a later request may take the whole budget left",
+           _one_line(Scheduler, "_leaves_budget", "(behind & (rest >= left))", "(behind & (rest > left))")),
+    Mutant("continued_chunk_no_block", "SGL estimate", "the continued chunk's estimate leaves out its extra block",
+           _one_line(Scheduler, "_estimate_rem", "rem -= cdiv(n, bs) * bs + bs + (", "rem -= cdiv(n, bs) * bs + (")),
+    Mutant("eos_reserve_uses_ratio", "SGL ignore_eos", "the ignore_eos reserve scales an ignore_eos request's outputs "
+           "by the ratio",
+           _one_line(Scheduler, "_reserve_entry", "r = 1.0 if int(self.ignore_eos[s]) else self.ratio", "r = self.ratio")),
+    Mutant("reserve_margin_strict", "SGL ignore_eos", "the ignore_eos reserve's one token per request is compared "
+           "strictly (a request that leaves exactly that margin is admitted)",
+           _one_line(Scheduler, "_reserve_ok", "<= (n - i)", "< (n - i)")),
+    Mutant("vtc_last_left_unset", "VTC", "the tenant whose queue emptied last is not remembered (no lift from it)",
+           _one_line(TenantCounters, "leave", "self.last_left = t", "pass")),
+    Mutant("slo_defer_not_rekeyed", "SLO", "a deferred request keeps its place in the EDF queue",
+           _one_line(Scheduler, "_slo_admission", "self.queue_key[s] = self._edf_key(s)", "pass")),
+    Mutant("input_limit_off_by_one", "SGL input limit", "the input limit accepts a prompt of max_model_len - 6 tokens",
+           _one_line(Scheduler, "rejection", "if req.prompt_len >= c.max_model_len - 6:", "if req.prompt_len > c.max_model_len - 6:")),
+    Mutant("spec_rollback_all", "VLLM spec decode", "verification rolls back every draft, the accepted ones too",
+           _one_line(Scheduler, "_update_verified", "self.num_computed_tokens[s] -= k - a", "self.num_computed_tokens[s] -= k")),
+    Mutant("prefill_first_continued_decodes", "VLLM V0 prefill-first", "a step that continued a cut prefill also runs "
+           "the running phase",
+           _one_line(Scheduler, "schedule", "if not len(slots2) and not len(slots_c):", "if not len(slots2):")),
+]
+
 MUTANTS = [
     Mutant("block_off_by_one", "VLLM-17, ATOM#250", "a growing request gets one block too few at a block boundary", _block_off_by_one),
     Mutant("no_reset_on_preempt", "LMD-02, VLLM-13", "a preempted request keeps its computed-token count", _no_reset_on_preempt),
@@ -399,7 +453,7 @@ MUTANTS = [
            "one token early", _chunk_after_hit_off_by_one, "chunked-prefill x prefix-hit"),
     Mutant("retraction_drops_prefix", "SGL retract", "a retracted request's cached prefix leaves the prefix cache at once",
            _retraction_drops_prefix, "retraction x eviction"),
-] + BLIND_SPOT_MUTANTS
+] + BLIND_SPOT_MUTANTS + ROUND3_MUTANTS
 
 
 @contextlib.contextmanager
@@ -468,6 +522,27 @@ AT_FAULT: dict[str, tuple[str, ...]] = {
     "edf_tie_later_first": ("QUEUE.EDF",),
     "at_risk_one_late": ("EDF.AT_RISK_FIRST",),
     "long_prefill_cap_running_only": ("BUDGET.LONG_PREFILL",),
+    # blind-spot hunt, round 3
+    "radix_lookup_no_stamp": ("CACHE.EVICT_LEAF_LRU",),
+    "radix_parent_not_requeued": ("CACHE.EVICT_LEAF_LRU",),
+    "radix_insert_no_stamp": ("CACHE.EVICT_LEAF_LRU",),
+    "salt_ignored": ("CACHE.SALT", "CACHE.HIT", "CACHE.BLOCK_HASH"),  # (a hit the salt should have prevented)
+    "dedup_keeps_copy": ("CACHE.DEDUP_ON_INSERT",),
+    "latest_keeps_old_hash": ("CACHE.LATEST_WINS",),
+    "tail_free_to_head": ("KV.FREE_TO_TAIL",),
+    "placeholders_kept_on_preempt": ("ASYNC.PREEMPT_ZEROES_PLACEHOLDERS",),
+    "swap_in_keeps_cpu": ("SWAP.IN", "SWAP.CPU_CONSERVATION"),
+    "retract_ratio_one_step": ("ESTIMATE.RATIO",),
+    "abort_cut_waits": ("ABORT.CUT_PREFILL_AT_ONCE",),
+    "no_chunking_cap_inclusive": ("ADMIT.NO_CHUNKING_EXCLUSIVE",),
+    "continued_chunk_no_block": ("ESTIMATE.CONTINUED_CHUNK",),
+    "eos_reserve_uses_ratio": ("ESTIMATE.IGNORE_EOS_RESERVE",),
+    "reserve_margin_strict": ("ESTIMATE.IGNORE_EOS_RESERVE",),
+    "vtc_last_left_unset": ("VTC.LIFT",),
+    "slo_defer_not_rekeyed": ("SLO.DEFER", "QUEUE.EDF"),  # (QUEUE.EDF states that deferred requests go last)
+    "input_limit_off_by_one": ("REJECT.INPUT_LIMIT",),
+    "spec_rollback_all": ("SPEC.ROLLBACK", "SPEC.ACCEPT"),
+    "prefill_first_continued_decodes": ("RUN.CONTINUE_PREFILL_FIRST", "BATCH.PREFILL_ONLY"),
 }
 
 
