@@ -656,6 +656,7 @@ RULE_NEEDS: dict[str, dict[str, Any]] = {
     "ESTIMATE.ADMIT": {"admission": ("estimate",)}, "ESTIMATE.RATIO": {"admission": ("estimate",)},
     "ESTIMATE.REMAINING": {"admission": ("estimate",)}, "RETRACT.TO_TAIL": {"admission": ("estimate",)},
     "RETRACT.VICTIM_FEWEST_OUTPUTS": {"admission": ("estimate",)}, "RETRACT.BATCH_ORDER": {"admission": ("estimate",)},
+    "RETRACT.BATCH_TEST": {"admission": ("estimate",)},
 }
 
 #: Rules a step plan names (:func:`spec.config.step_plan`) that the spec also reaches outside it:

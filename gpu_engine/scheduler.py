@@ -899,6 +899,8 @@ class Scheduler:
             self._take_deferred()
         if not len(slots2) and not len(slots_c):  # (a step that continued a prefill is a prefill batch)
             if len(self.running):
+                if self.estimate:
+                    self._retract_before_running(batch, budget, cap)
                 slots1, n1, budget = self._running_phase(batch, budget, cap)
                 if self.estimate:
                     if batch.preempted:  # RETRACT.BATCH_ORDER
@@ -1006,6 +1008,30 @@ class Scheduler:
             self.pool.evict_all()
             self._preempt(self.be.asarray([v]), batch)
             self.pool.make_room(cdiv((num_run - k) * steps, self.bs))
+
+    def _retract_before_running(self, batch: Batch, budget: int, cap: int) -> None:
+        """RETRACT.BATCH_TEST (admission="estimate"): while the blocks the running walk would
+        allocate do not fit the free ones, retract the victim rule's pick (one request always
+        stays); the survivors then run in retraction order.  SGLang tests the whole decode batch
+        (check_decode_mem) and retracts (retract_decode) before it allocates anything."""
+        limit = self.config.max_num_seqs if self.step_scope else None
+        retracted = False
+        while len(self.running) > 1:
+            run = self.running
+            failed = self._segment(run, self.num_computed_tokens[run], self.num_tokens[run], budget, cap, limit,
+                                   False)[-1]
+            if not failed:
+                break
+            victim = run[self._victim_order(run)[:1]]
+            if self.leaf_lru:
+                self._retract_evicting(victim, batch, len(run))
+            else:
+                self._preempt(victim, batch)
+            batch.preempted += [self.ids[v] for v in xp.to_list(victim)]
+            self.running = run[self.status[run] == RUNNING]
+            retracted = True
+        if retracted:  # RETRACT.BATCH_ORDER
+            self._retraction_order(self.be.empty_int(), self.be.empty_int())
 
     def _held(self, had_cut: bool) -> bool:
         """ESTIMATE.HOLD_UNTIL_DEPARTURE at the admission gate: held while every request of the
@@ -1787,17 +1813,21 @@ class Scheduler:
             self._hash_filled(smp, ntok, fin_mask, grow)
         if self.prefill_finish:
             return self._settle_inserting(batch, smp, ntok, fin_mask, code if fin_mask is not None else None, pending)
-        if fin_mask is None or not xp.any_true(fin_mask):
-            return self._free_abort_pending(smp, pending, [])
-        fin = smp[fin_mask]
-        reasons = xp.to_list(code[fin_mask])
-        self._free_tables(fin)
+        # ABORT.AFTER_NEXT_SAMPLE: the aborted requests that sampled go with the finished ones, in batch order
+        gone_mask = fin_mask if pending is None else pending if fin_mask is None else fin_mask | pending
+        if gone_mask is None or not xp.any_true(gone_mask):
+            return []
+        gone = smp[gone_mask]
+        finished = xp.to_list(fin_mask[gone_mask]) if fin_mask is not None else [False] * len(gone)
+        codes = xp.to_list(code[gone_mask]) if fin_mask is not None else finished
+        self._free_tables(gone)
         out = []
-        for s, why in zip(xp.to_list(fin), reasons):
-            out.append((self.ids[s], self._reason(s, why)))
+        for s, done, why in zip(xp.to_list(gone), finished, codes):
+            if done:
+                out.append((self.ids[s], self._reason(s, why)))
             self._release(s)
         self.running = self.running[self.status[self.running] == RUNNING]
-        return self._free_abort_pending(smp, pending, out)
+        return out
 
     def _hash_filled(self, smp: Array, ntok: Array, fin_mask, grow: Array | None = None) -> None:
         """Hash the blocks this step's new tokens filled, in sampler order (a finished request's
@@ -1813,8 +1843,8 @@ class Scheduler:
     def _settle_inserting(self, batch: Batch, smp: Array, ntok: Array, fin_mask, code, pending) -> list:
         """CACHE.REGISTER_PREFILL_AND_FINISH after the outputs: each sampler in batch order registers
         its computed blocks if it prefilled in this step (a resumed or new request, or a chunk),
-        finished, or is freed after this sample (an abort); a finished one is then freed (an
-        aborted one by :meth:`_free_abort_pending`); the cut prefills register when the next step
+        finished, or is freed after this sample (an abort); a finished or aborted one is then freed,
+        in batch order as SGLang releases them; the cut prefills register when the next step
         begins (``stash``, :meth:`schedule`)."""
         if self.caching:
             self._hash_filled(smp, ntok, fin_mask)
@@ -1824,22 +1854,24 @@ class Scheduler:
         samples = [True] * len(slots) if batch.all_sample else xp.to_list(batch.samples)
         fin = dict(zip(xp.to_list(smp), xp.to_list(fin_mask))) if fin_mask is not None else {}
         why = dict(zip(xp.to_list(smp), xp.to_list(code))) if code is not None else {}
-        out = []
+        out, freed = [], False
         for s, st, nt, sm in zip(slots, start, before, samples):
             if not sm:
                 continue
             outs = int(self.num_output_tokens[s]) - 1  # (before this step's token)
-            done = fin.get(s, False)
-            if done or s in self.abort_pending or self.ids[s] in resumed or outs == 0 or st < nt - 2:
+            done, aborted = fin.get(s, False), s in self.abort_pending
+            if done or aborted or self.ids[s] in resumed or outs == 0 or st < nt - 2:
                 self._cache_blocks(self.be.asarray([s]), self.be.asarray([int(self.num_computed_tokens[s])]))
-            if done:
+            if done or aborted:
                 self._free_tables(self.be.asarray([s]))
-                out.append((self.ids[s], self._reason(s, why[s])))
+                if done:
+                    out.append((self.ids[s], self._reason(s, why[s])))
                 self._release(s)
-        if out:
+                freed = True
+        if freed:
             self.running = self.running[self.status[self.running] == RUNNING]
         self.stash = [(s, self.ids[s]) for s, sm in zip(slots, samples) if not sm]
-        return self._free_abort_pending(smp, pending, out)
+        return out
 
     def _update_verified(self, batch: Batch, tokens: Array, eos_token_id: int) -> list[tuple[str, str]]:
         """:meth:`update` with speculative decoding, one sampling request at a time in batch
@@ -1903,18 +1935,6 @@ class Scheduler:
         if self.clip and code == F.STOP_MAX_TOKENS and int(self.max_tokens[s]) < self.sources[s].max_tokens:
             return FINISH_MAX_MODEL_LEN
         return REASONS[code]
-
-    def _free_abort_pending(self, smp: Array, pending: Array | None, out: list) -> list:
-        """ABORT.AFTER_NEXT_SAMPLE: the aborted running requests that sampled in this step are
-        freed after the finished ones, in batch order (reported aborted when the client asked)."""
-        if pending is None or not xp.any_true(pending):
-            return out
-        gone = smp[pending]
-        self._free_tables(gone)
-        for s in xp.to_list(gone):
-            self._release(s)
-        self.running = self.running[self.status[self.running] == RUNNING]
-        return out
 
     def _length_slack(self, smp: Array, ntok: Array) -> int:
         """``min(stop_at - num_tokens)`` over the sampling requests after this update (<= 0:

@@ -373,6 +373,7 @@ def step_plan(cfg: "SchedulerConfig") -> StepPlan:
     slo_gate = ("slo_admission",) if cfg.slo_admission != "off" else ()  # SLO.REFUSE / SLO.DEFER
     slo_gate = (("hold_until_departure",) if cfg.admission_hold != "off" else ()) + slo_gate  # ESTIMATE.HOLD_*
     stash = ("stash_cut_prefills",) if cfg.cache_register == "prefill-and-finish" else ()  # CACHE.REGISTER_PREFILL_*
+    retract = ("retract_before_running",) if cfg.admission == "estimate" else ()  # RETRACT.BATCH_TEST
     after_running = (("charge_vtc",) if cfg.policy == "vtc" else ()) + \
         (("update_ratio",) if cfg.admission == "estimate" else ()) + (("swap_in",) if swap else ())
     if cfg.batching == "prefill-first":
@@ -381,11 +382,11 @@ def step_plan(cfg: "SchedulerConfig") -> StepPlan:
             else ((), ())  # KV.BATCH_ALLOCATION
         phases = (*stash, *(("hold_for_swapped",) if swap else ()), *defer, *first, *slo_gate, "schedule_waiting", *take,
                   "end_prefill_batch",
-                  *at_risk, "schedule_running", *after_running)
+                  *at_risk, *retract, "schedule_running", *after_running)
     else:
         gates = (("hold_static_batch",) if cfg.batching == "static" else ()) + \
             (() if cfg.admit_after_preempt else ("hold_after_preempt",)) + (("hold_for_swapped",) if swap else ())
-        phases = (*stash, *at_risk, "schedule_running", *after_running, *gates, *slo_gate, "schedule_waiting")
+        phases = (*stash, *at_risk, *retract, "schedule_running", *after_running, *gates, *slo_gate, "schedule_waiting")
     estimate = cfg.admission == "estimate"
     if estimate:
         victim = "RETRACT.VICTIM_FEWEST_OUTPUTS"

@@ -495,6 +495,13 @@ class KVCacheManager:
         self.register_allocated(req, min(total + num_new_tokens, req.num_tokens))
         return new
 
+    def blocks_needed(self, req: SequenceLike, num_new_tokens: int) -> int:
+        """The new blocks :meth:`allocate_slots` would take for ``num_new_tokens`` more tokens
+        of a request that holds its blocks already (no hits, no reservation)."""
+        max_len = self.cfg.max_model_len
+        slots = min(min(req.num_computed_tokens, max_len) + num_new_tokens, max_len)
+        return max(cdiv(slots, self.block_size) - len(self.blocks_of(req.request_id)), 0)
+
     def register_allocated(self, req: SequenceLike, num_tokens: int) -> None:
         """CACHE.REGISTER_AT_ALLOCATION: the blocks an allocation filled enter the cache at once."""
         self.cache_blocks(req, num_tokens)

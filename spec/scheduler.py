@@ -446,6 +446,21 @@ def retraction_order(running: list[Request]) -> list[Request]:
     return sorted(running, key=lambda r: (len(r.output_token_ids), -len(r.prompt_token_ids)), reverse=True)
 
 
+@rule("RETRACT.BATCH_TEST", knobs=("admission",), applies=lambda fits: not fits)
+def batch_fits(need: int, free: int) -> bool:
+    """Under admission="estimate", before the running phase allocates anything, the blocks
+    that every request it would serve needs for this step are tested at once against the
+    free (and evictable) blocks; while they do not fit, the request the victim rule picks
+    (RETRACT.VICTIM_FEWEST_OUTPUTS) is retracted, until they fit or one request is left.
+    Only then do the survivors allocate, in retraction order (RETRACT.BATCH_ORDER).
+
+    SGLang's update_running_batch asks check_decode_mem for the whole decode batch and
+    retract_decode pops victims until it passes; prepare_for_decode allocates afterwards.
+    The victims are those a request-by-request walk would retract, but no victim has taken a
+    block for this step first, so which free blocks the survivors get differs."""
+    return need <= free
+
+
 @rule("ESTIMATE.REMAINING", knobs=("admission", "clip_max_new_tokens"))
 def remaining_output(req: Request, cfg: SchedulerConfig) -> int:
     """A request's remaining output, as SGLang counts it: ``min(max(max_tokens -
@@ -895,10 +910,12 @@ ABORT_AFTER_SAMPLE = declare(
     "ABORT.AFTER_NEXT_SAMPLE",
     """Under abort_running="after-next-sample" an aborted running request is reported aborted
     at once but stays in the running list, holding its blocks, until it samples once more
-    (scheduled as usual); it is freed with that step's result, not listed as finished, and
-    no stop rule is applied to that token.  SGLang's abort_request sets ``to_finish =
-    FINISH_ABORT`` on a running request ("it will still run one decode forward pass") and
-    check_finished frees it with the result.  Waiting requests still leave at once (ABORT.FREE).""",
+    (scheduled as usual); it is freed with that step's result, in batch order among the
+    requests that finish in that step, not listed as finished, and no stop rule is applied to
+    that token.  SGLang's abort_request sets ``to_finish = FINISH_ABORT`` on a running request
+    ("it will still run one decode forward pass"), and the batch's results are applied request
+    by request, each finished one (an abort is one more finish reason) released in its turn.
+    Waiting requests still leave at once (ABORT.FREE).""",
     __name__,
     knobs=("abort_running",),
 )
@@ -1026,7 +1043,6 @@ class SpecEngine:
         self.check_stop, self.after_outputs = stop, []
         if plan.abort_running == "ABORT.AFTER_NEXT_SAMPLE":  # no stop rule for the token it samples when aborted
             self.check_stop = lambda req, token: None if req.abort_pending else stop(req, token)
-            self.after_outputs = [self._free_abort_pending]
         estimate = self.config.admission == "estimate"
         #: run when a step ends or an abort leaves the engine (the ratio's reset when idle)
         self.on_idle = [self._reset_ratio] if estimate else []
@@ -1164,15 +1180,15 @@ class SpecEngine:
             return FINISH_MAX_MODEL_LEN
         return why
 
-    def _free_abort_pending(self, out: SchedulerOutput) -> None:
+    def _free_abort_pending(self, req: Request) -> bool:
         """ABORT.AFTER_NEXT_SAMPLE: a running request the client aborted is freed with the result
-        of the first step it samples in since (in batch order; not listed as finished)."""
-        freed = [self.requests[rid] for rid in out.samplers if self.requests[rid].abort_pending]
-        for req in freed:
-            if req.status == Status.RUNNING:
-                self._finish(req, Status.ABORTED, None)
-        if freed:
-            self.running = [r for r in self.running if r.status == Status.RUNNING]
+        of the first step it samples in since, in batch order with the requests that finish in
+        that step (SGLang releases each request of a batch's result in turn, an abort being one
+        more finish reason); not listed as finished.  Whether it was freed now."""
+        if req.status != Status.RUNNING:
+            return False
+        self._finish(req, Status.ABORTED, None)
+        return True
 
     def _slo_fields(self, tr: TraceRequest) -> dict:
         """A request's targets in steps (SLO.TARGET_STEPS) and its predicted output length."""
@@ -1292,6 +1308,41 @@ class SpecEngine:
         when blocks run out (RUN.PREEMPT_FOR_BLOCKS)."""
         st.ran = bool(self.running)
         st.budget = self._schedule_running(st.out, st.scheduled, st.budget, st.cap)
+
+    @phase("retract_before_running")
+    def _phase_retract_before_running(self, st: StepState) -> None:
+        """SGLang: the running phase's whole demand is tested before it allocates; victims are
+        retracted until it fits (RETRACT.BATCH_TEST), the survivors then in retraction order."""
+        retracted = False
+        while len(self.running) > 1:
+            need, free = self._running_demand(st), self.kv.pool.num_free_blocks
+            if batch_fits(need, free):
+                break
+            victim = pick_victim(self.plan.victim, self.running, self.clock)
+            self.running.remove(victim)
+            self._preempt(victim, st.out)
+            st.out.reasons.append(reason(self.plan.victim, victim.request_id,
+                                         f"retracted: the running requests need {need} blocks, {free} free"))
+            retracted = True
+        if retracted:
+            self.running = retraction_order(self.running)
+
+    def _running_demand(self, st: StepState) -> int:
+        """The blocks the running phase would allocate now: its walk's grants, none allocated."""
+        cfg, budget, count, need = self.config, st.budget, len(st.scheduled), 0
+        for req in self.running:
+            if budget <= 0 or count >= cfg.max_num_seqs:
+                break
+            if req.request_id in st.scheduled or (self.running_checks and any(c(req) for c in self.running_checks)):
+                continue
+            # (the rules' own functions, uncounted: the walk that follows applies them)
+            n = model_len_cap.__wrapped__(chunk_size.__wrapped__(req.num_tokens_with_spec - req.num_computed_tokens,
+                                                                 st.cap, budget), req.num_computed_tokens, cfg)
+            if n > 0:
+                need += self.kv.blocks_needed(req, n)
+                budget -= n
+                count += 1
+        return need
 
     @phase("continue_prefill")
     def _phase_continue_prefill(self, st: StepState) -> None:
@@ -1848,6 +1899,7 @@ class SpecEngine:
             hook(out)
         finished: list[tuple[str, str]] = []
         took: dict[str, int] = {}
+        aborted_now = False
         for s in out.scheduled:
             if not s.samples:
                 continue
@@ -1867,6 +1919,10 @@ class SpecEngine:
                 finished.append((req.request_id, why))
                 rule_id = {FINISH_EOS: "STOP.EOS", FINISH_STOP_TOKEN: "STOP.STOP_TOKEN"}.get(why, "STOP.LENGTH")
                 out.reasons.append(reason(rule_id, req.request_id, f"finished: {why} after {len(req.output_token_ids)} tokens"))
+            elif req.abort_pending:
+                aborted_now = self._free_abort_pending(req) or aborted_now
+        if aborted_now:
+            self.running = [r for r in self.running if r.status == Status.RUNNING]
         for hook in self.after_outputs:
             hook(out)
         return self._close_step(out, finished, took)

@@ -41,6 +41,8 @@ AGREE_TRACES = {
     "duplicate-insert": "exact",  # 13: CACHE.DEDUP_ON_INSERT
     "ignore-eos-reserve": "decisions",  # 15: ESTIMATE.IGNORE_EOS_RESERVE (its log was recorded at this level)
     "no-chunking-input-cap": "exact",  # 16: ADMIT.NO_CHUNKING_EXCLUSIVE (the SGLang campaign's spec-wrong finding)
+    "batch-retraction": "exact",  # 12: RETRACT.BATCH_TEST
+    "abort-release-order": "exact",  # 22: ABORT.AFTER_NEXT_SAMPLE frees in batch order with the finishes
 }
 
 
@@ -190,6 +192,18 @@ def test_fixed_differences_agree_with_their_recorded_sglang_log(name):
     assert result.agreed, result.divergence.describe()
     assert f"Agreement with SGLang 0.5.23 ({AGREE_TRACES[name]} level" in trace.description
     assert f"tests/corpus/sglang/agree/{name}.jsonl" in (ROOT / "docs" / "conformance.md").read_text()
+
+
+@pytest.mark.parametrize("name", sorted(AGREE_TRACES))
+def test_gpu_engine_agrees_with_the_spec_where_the_spec_agrees_with_sglang(name):
+    """gpu_engine implements the sglang profile's knobs on its own: on each trace where the spec
+    agrees with SGLang's recorded log it agrees with the spec at the same level, so with SGLang."""
+    import fuzz.engines  # noqa: F401  (registers gpu)
+    from fuzz.replay import replay
+    from spec.io import load_trace
+
+    result = replay(load_trace(AGREE / f"{name}.jsonl"), "gpu", AGREE_TRACES[name], after=None)
+    assert result.agreed, result.describe()
 
 
 def test_finding_ignore_eos_without_radix_cache_stalls_an_idle_sglang():

@@ -332,6 +332,25 @@ def test_a_retraction_leaves_the_batch_in_retraction_order():
     assert scheduled(recs)[23][:2] == [("B", 1), ("A", 1)]
 
 
+def test_a_retraction_comes_before_any_allocation_of_the_step():
+    """The same run at the exact level: at step 22 the three decodes need 3 slots and 2 are free
+    (76, 77).  SGLang tests the whole batch first (check_decode_mem), retracts C, then allocates
+    for the survivors in retraction order (RETRACT.BATCH_TEST): B gets 76, A 77.  A walk that
+    allocated request by request would have given A slot 76 before C's turn failed."""
+    from spec.rules import HITS
+
+    cfg = {**SG, "num_blocks": 78, "max_model_len": 128, "new_token_ratio_decay_steps": 1,
+           "retract_decode_steps": 1}
+    reqs = (R("A", 10, 30, output_tokens=(100,) * 30), R("B", 4, 30, output_tokens=(100,) * 30),
+            R("C", 2, 30, at=2, output_tokens=(100,) * 30))
+    HITS.clear()
+    recs = steps(cfg, *reqs)
+    assert recs[21].num_free_blocks == 2 and recs[22].preempted == ["C"]
+    assert recs[22].block_ids["B"][-1] == 76 and recs[22].block_ids["A"][-1] == 77
+    assert any("need 3 blocks, 2 free" in x["text"] for x in recs[22].reasons if x.get("request") == "C")
+    assert HITS["RETRACT.BATCH_TEST"] == 1
+
+
 def test_an_aborted_running_request_is_inserted_like_a_finished_one():
     """A is aborted at step 3, decodes once more and is freed (ABORT.AFTER_NEXT_SAMPLE); SGLang
     treats it as finished (FINISH_ABORT) and inserts its computed tokens, outputs included, into
