@@ -217,7 +217,7 @@ def _state_divergence(step: int, s: StepRecord | None, e: StepRecord | None, lev
         if request is None:  # a per-tenant or per-step figure: the step's first reason of its family
             about = _differing_tenants(a, b) if name == "vtc_counters" else None
             cited = next((r for r in context if str(r.get("rule", "")).startswith(families)
-                          and (about is None or any(f"tenant {t!r}" in str(r.get("text", "")) for t in about))), None)
+                          and (about is None or r.get("tenant") in about)), None)
             rule, text = (cited.get("rule"), cited.get("text")) if cited else (None, None)
         if rule is None or not rule.startswith(families):
             rule, text = STATE_RULES[name], f"the spec's {name} after step {step} (no reason of this rule recorded)"

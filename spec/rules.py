@@ -112,14 +112,17 @@ def fired(rule_id: str) -> None:
     HITS[rule_id] += 1
 
 
-def reason(rule_id: str, request: str | None, text: str) -> dict:
-    """One entry of a step record's ``reasons``: which rule decided what for whom."""
+def reason(rule_id: str, request: str | None, text: str, tenant: str | None = None) -> dict:
+    """One entry of a step record's ``reasons``: which rule decided what for whom (``tenant``:
+    the tenant a fairness rule acted on, so that a report can match it to a counter)."""
     if rule_id not in RULES:
         raise KeyError(f"unregistered rule id {rule_id}")
     HITS[rule_id] += 1
     out = {"rule": rule_id, "text": text}
     if request is not None:
         out["request"] = request
+    if tenant is not None:
+        out["tenant"] = tenant
     return out
 
 

@@ -1141,7 +1141,7 @@ class SpecEngine:
         if self.vtc and self.waiting.lifted is not None:  # (a counter bug there is a VTC.LIFT bug, not a charge's)
             tenant, before, after = self.waiting.lifted
             self._reasons.append(reason("VTC.LIFT", tr.id, f"tenant {tenant!r} was not backlogged: counter "
-                                        f"{before:g} -> {after:g}"))
+                                        f"{before:g} -> {after:g}", tenant=tenant))
 
     # -- arrival rules (chosen by the plan: StepPlan.refusals, StepPlan.on_arrival) --------
 
@@ -1857,7 +1857,7 @@ class SpecEngine:
         if self.vtc:  # (its tenant never left: a counter changed here would be a lift the rule forbids)
             tenant = req.source.tenant
             out.reasons.append(reason("VTC.QUEUE", req.request_id, f"back in tenant {tenant!r}'s queue, no lift: "
-                                      f"counter {self.waiting.counters[tenant]:g}"))
+                                      f"counter {self.waiting.counters[tenant]:g}", tenant=tenant))
 
     def _preempt_by_swap(self, req: Request, out: SchedulerOutput) -> None:
         """SWAP.OUT, or SWAP.FALLBACK_RECOMPUTE when the CPU pool is too small."""
