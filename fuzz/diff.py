@@ -667,11 +667,14 @@ def field_rule(name: str, spec: StepRecord, engine: StepRecord, request: str | N
     """The one rule that decides ``name`` for ``request`` where the spec gives no reason of that rule
     (the engine did it, the spec did not): a swap-in or swap-out (``SWAP.IN`` / ``SWAP.OUT``), and a
     rejection at arrival, by the engine's reason (``REJECT.*``; the spec queued it, so its own
-    reason says ``ARRIVE.QUEUED``)."""
+    reason says ``ARRIVE.QUEUED``); the same refusals listed in another order, the waiting queue's order
+    (:data:`QUEUE_ORDER`: SLO admission control refuses in queue order)."""
     mine = [str(r.get("rule", "")) for r in spec.reasons or () if r.get("request") == request]
     if name in ("swapped_in", "swapped_out"):
         own = "SWAP.IN" if name == "swapped_in" else "SWAP.OUT"
         return None if own in mine else own
+    if name == "rejected" and spec.rejected and sorted(map(tuple, spec.rejected)) == sorted(map(tuple, engine.rejected)):
+        return QUEUE_ORDER  # the same refusals in another order: a step lists its refusals in queue order
     if name == "rejected" and not any(r.startswith("REJECT.") for r in mine):
         return _REJECT_RULES.get(dict(engine.rejected).get(request))
     return None

@@ -108,3 +108,15 @@ def test_the_ignore_eos_reserve_interaction_is_met_by_its_steered_traces():
     met = sum(name in P.interactions_met(P._spec_facts(random_trace(seed, **steer, interaction=name)))
               for seed in range(10))
     assert met >= 4, f"only {met}/10 steered traces met it"
+
+
+def test_the_same_refusals_in_another_order_name_the_queue_order():
+    """SLO admission control refuses in queue order: an engine that lists the same refusals in another
+    order ordered its queue differently (QUEUE.EDF under edf), whatever the refused requests' reasons."""
+    spec = StepRecord(0, rejected=[("A", "slo_infeasible"), ("B", "slo_infeasible")],
+                      reasons=[reason("ARRIVE.QUEUED", "A"), reason("SLO.REFUSE", "A"), reason("SLO.REFUSE", "B")])
+    engine = StepRecord(0, rejected=[("B", "slo_infeasible"), ("A", "slo_infeasible")])
+    div = first_divergence([spec], [engine], "decisions")
+    assert div.field == "rejected" and as_configured(div.rule, {"profile": "edf"}) == "QUEUE.EDF"
+    other = StepRecord(0, rejected=[("B", "slo_infeasible")])
+    assert first_divergence([spec], [other], "decisions").rule != "QUEUE.ORDER", "another set: not the order"
