@@ -253,17 +253,22 @@ class BlockPool:
         self.queue.remove(blocks[self.ref_cnt[blocks] == 0])
         xp.add_at(self.ref_cnt, blocks, 1)
 
-    def free(self, seq: Array, groups: Array) -> None:
+    def free(self, seq: Array, groups: Array | None = None) -> None:
         """Free a batch of block tables: ``seq`` is the requests' blocks in freeing order
-        (each request tail first), ``groups`` the request index of each entry.
+        (each request tail first), ``groups`` the request index of each entry (None: one
+        request's table, in which each block appears once).
         Blocks reaching ref 0 re-enter the queue by :func:`free_order`."""
         if len(seq) == 0:
             return
-        xp.add_at(self.ref_cnt, seq, -1)
-        idx = self.be.arange(len(seq))
-        self._last[seq] = -1
-        xp.scatter_max(self._last, seq, idx)
-        last = self._last[seq] == idx
+        if groups is None:  # one request's table: each block appears once, so every entry is its last
+            self.ref_cnt[seq] -= 1
+            last, groups = seq >= 0, seq * 0
+        else:
+            xp.add_at(self.ref_cnt, seq, -1)
+            idx = self.be.arange(len(seq))
+            self._last[seq] = -1
+            xp.scatter_max(self._last, seq, idx)
+            last = self._last[seq] == idx
         zero = self.ref_cnt[seq] == 0
         hashed = self.block_hash[seq] >= 0  # never set when caching is off
         if self.free_to_tail:  # KV.FREE_TO_TAIL: each block at its last occurrence, in order

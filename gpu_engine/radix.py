@@ -187,11 +187,12 @@ class RadixBlockPool(BlockPool):
         self.ref_cnt[out] = 1
         return out
 
-    def free(self, seq: Array, groups: Array) -> None:
+    def free(self, seq: Array, groups: Array | None = None) -> None:
         """As :meth:`BlockPool.free`; the content-free blocks that reach ref 0 also join ``clean``."""
         if len(seq) == 0:
             return
-        super().free(seq, groups)  # (leaves ``_last[b]``: the index of b's last entry in seq)
-        last = self._last[seq] == self.be.arange(len(seq))
-        gone = seq[last & (self.ref_cnt[seq] == 0) & (self.block_hash[seq] < 0)]
-        self.clean.extend(xp.to_list(gone))
+        super().free(seq, groups)  # (leaves ``_last[b]``: the index of b's last entry in seq, unless one group)
+        gone = (self.ref_cnt[seq] == 0) & (self.block_hash[seq] < 0)
+        if groups is not None:
+            gone &= self._last[seq] == self.be.arange(len(seq))
+        self.clean.extend(xp.to_list(seq[gone]))

@@ -603,6 +603,10 @@ class Scheduler:
         """(rows, cols) of ``counts[i]`` consecutive block-table entries of each slot
         starting at ``offset[i]`` (or, reversed, ending just before ``offset[i]``).
         ``total`` (optional): ``sum(counts)``, known to the caller, with every count >= 1."""
+        if len(slots) == 1 and self.be.numpy:  # (one request, most calls on CPU: two ranges)
+            k, o = int(counts[0]), int(offset[0])
+            cols = o - 1 - self.be.arange(k) if reverse else self.be.arange(k, o)
+            return cols * 0 + int(slots[0]), cols
         few = self._walks(len(slots))  # a few CPU requests: counts read on the host
         cnt = counts.tolist() if few and total is None else None
         if total is not None:
@@ -644,7 +648,7 @@ class Scheduler:
             rows, cols = self._table_entries(slots, held, held * 0)
         else:
             rows, cols = self._table_entries(slots, held, held, reverse=True)
-        groups = xp.repeat(self.be.arange(len(slots)), held)
+        groups = xp.repeat(self.be.arange(len(slots)), held) if len(slots) > 1 else None  # (None: one table)
         self.pool.free(self.block_table[rows, cols], groups)
         self.num_blocks[slots] = 0
         self.num_cached_blocks[slots] = 0
