@@ -713,6 +713,11 @@ def knob_values(envelope: Envelope, knob: str, profile: str | None = None,
     from ``--set``) can draw, as far as a rule's needs tell them apart (numeric knobs: probes)."""
     if fixed and knob in fixed:
         return [fixed[knob]]
+    if fixed and fixed.get("async_scheduling"):  # async fixed: its needs are pinned over every draw
+        from spec.config import ASYNC_NEEDS
+
+        if knob in ASYNC_NEEDS:
+            return [ASYNC_NEEDS[knob]]
     if profile not in (None, "all"):
         from fuzz.generate import profile_knobs
 
