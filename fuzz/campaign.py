@@ -1349,14 +1349,11 @@ def _pin_required(fixed: dict[str, Any], options: dict[str, Any]) -> dict[str, A
     AsyncScheduler) and no SLO policy, so that steering towards, say, swap preemption does not
     make every trace of an async campaign invalid.  Knobs given with ``--set`` are never changed
     (a conflict among them is refused by :func:`validate_options`)."""
-    from spec.config import ASYNC_NEEDS
+    from fuzz.capabilities import async_pins
 
     if not fixed.get("async_scheduling"):
         return options
-    out = dict(options)
-    for name, value in ASYNC_NEEDS.items():
-        if name not in fixed:
-            out[name] = value
+    out = {**options, **async_pins(fixed)}
     if out.get("policy") == "edf" and "policy" not in fixed:  # the SLO policies are synchronous only
         out["policy"] = "fcfs"
     if out.get("preemption_victim", "policy") != "policy" and "preemption_victim" not in fixed:

@@ -707,17 +707,25 @@ def plan_rule_ids(cfg: SchedulerConfig) -> frozenset[str]:
 _PROBES = (0, 0.05, 1, 2, 8, 1 << 20)
 
 
+def async_pins(fixed: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The knob values a ``--set async_scheduling=true`` pins over every draw: the knobs async
+    scheduling is specified with (:data:`spec.config.ASYNC_NEEDS`) that ``--set`` leaves free."""
+    if not fixed or not fixed.get("async_scheduling"):
+        return {}
+    from spec.config import ASYNC_NEEDS
+
+    return {name: value for name, value in ASYNC_NEEDS.items() if name not in fixed}
+
+
 def knob_values(envelope: Envelope, knob: str, profile: str | None = None,
                 fixed: Mapping[str, Any] | None = None) -> list:
     """The values of ``knob`` a campaign against ``envelope`` (over ``profile``, with ``fixed`` knobs
     from ``--set``) can draw, as far as a rule's needs tell them apart (numeric knobs: probes)."""
     if fixed and knob in fixed:
         return [fixed[knob]]
-    if fixed and fixed.get("async_scheduling"):  # async fixed: its needs are pinned over every draw
-        from spec.config import ASYNC_NEEDS
-
-        if knob in ASYNC_NEEDS:
-            return [ASYNC_NEEDS[knob]]
+    pins = async_pins(fixed)
+    if knob in pins:
+        return [pins[knob]]
     if profile not in (None, "all"):
         from fuzz.generate import profile_knobs
 
