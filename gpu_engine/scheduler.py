@@ -1026,16 +1026,21 @@ class Scheduler:
                                    False)[-1]
             if not failed:
                 break
-            victim = run[self._victim_order(run)[:1]]
-            if self.leaf_lru:
-                self._retract_evicting(victim, batch, len(run))
-            else:
-                self._preempt(victim, batch)
-            batch.preempted += [self.ids[v] for v in xp.to_list(victim)]
-            self.running = run[self.status[run] == RUNNING]
+            self.running = self._preempt_victims(run[self._victim_order(run)[:1]], batch, run)
             retracted = True
         if retracted:  # RETRACT.BATCH_ORDER
             self._retraction_order(self.be.empty_int(), self.be.empty_int())
+
+    def _preempt_victims(self, victims: Array, batch: Batch, run: Array) -> Array:
+        """Preempt ``victims`` (of the running slots ``run``), in order, logged in the batch; SGLang's
+        retraction evicts eagerly on its radix pool (CACHE.EVICT_ON_RETRACT).  Returns ``run``
+        without them."""
+        if self.leaf_lru and self.estimate:
+            self._retract_evicting(victims, batch, len(run))
+        else:
+            self._preempt(victims, batch)
+        batch.preempted += [self.ids[v] for v in xp.to_list(victims)]
+        return run[self.status[run] == RUNNING]
 
     def _held(self, had_cut: bool) -> bool:
         """ESTIMATE.HOLD_UNTIL_DEPARTURE at the admission gate: held while every request of the
@@ -1318,12 +1323,7 @@ class Scheduler:
                         unscheduled += xp.to_list(ss[hit])
                         num_scheduled -= xp.total(hit * 1)
             shift = int((vpos < p).sum())
-            if self.leaf_lru and self.estimate:
-                self._retract_evicting(victims, batch, len(run))
-            else:
-                self._preempt(victims, batch)
-            batch.preempted += [self.ids[v] for v in xp.to_list(victims)]
-            run = run[self.status[run] == RUNNING]
+            run = self._preempt_victims(victims, batch, run)
             i = p - shift
             if self_preempted:
                 if self.estimate or (c.policy == "priority" and c.priority_self_preempt == "continue"):
