@@ -480,8 +480,7 @@ class KVCacheManager:
             need_full = max(cdiv(min(req.num_tokens, max_len), bs) - held, 0) + evictable_hits
             if need_full + watermark_blocks > free:
                 return self._failure(ADMIT_FULL_SEQUENCE, need_full, watermark_blocks, free, "its whole sequence")
-        total = min(req.num_computed_tokens + num_hit_tokens, max_len)
-        slots = max(min(total + num_new_tokens, max_len), reserve_tokens)
+        total, slots = self._slots(req, num_new_tokens, num_hit_tokens, reserve_tokens)
         need = max(cdiv(slots, bs) - held, 0) + evictable_hits
         if need + watermark_blocks > free:
             return self._failure(ALLOC_NO_BLOCKS, need, watermark_blocks, free, f"{slots} slots")
@@ -495,11 +494,18 @@ class KVCacheManager:
         self.register_allocated(req, min(total + num_new_tokens, req.num_tokens))
         return new
 
+    def _slots(self, req: SequenceLike, num_new_tokens: int, num_hit_tokens: int = 0,
+               reserve_tokens: int = 0) -> tuple[int, int]:
+        """(tokens the request's KV covers before, slots it needs after) an allocation of
+        ``num_new_tokens``: never past max_model_len, at least ``reserve_tokens``."""
+        max_len = self.cfg.max_model_len
+        total = min(req.num_computed_tokens + num_hit_tokens, max_len)
+        return total, max(min(total + num_new_tokens, max_len), reserve_tokens)
+
     def blocks_needed(self, req: SequenceLike, num_new_tokens: int) -> int:
         """The new blocks :meth:`allocate_slots` would take for ``num_new_tokens`` more tokens
         of a request that holds its blocks already (no hits, no reservation)."""
-        max_len = self.cfg.max_model_len
-        slots = min(min(req.num_computed_tokens, max_len) + num_new_tokens, max_len)
+        slots = self._slots(req, num_new_tokens)[1]
         return max(cdiv(slots, self.block_size) - len(self.blocks_of(req.request_id)), 0)
 
     def register_allocated(self, req: SequenceLike, num_tokens: int) -> None:
