@@ -1823,7 +1823,7 @@ class Scheduler:
             return []
         gone = smp[gone_mask]
         finished = xp.to_list(fin_mask[gone_mask]) if fin_mask is not None else [False] * len(gone)
-        codes = xp.to_list(code[gone_mask]) if fin_mask is not None else finished
+        codes = xp.to_list(code[gone_mask]) if fin_mask is not None else [0] * len(gone)  # (read for finished only)
         self._free_tables(gone)
         out = []
         for s, done, why in zip(xp.to_list(gone), finished, codes):
