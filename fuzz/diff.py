@@ -606,7 +606,8 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
     if name == "scheduled":
         a, b = dict(spec.scheduled), dict(engine.scheduled)
         if (request in a) != (request in b) and _walk_ended_early(spec, engine, request):
-            return "BUDGET.TOKENS"
+            # (after a request preempted itself, whether the walk goes on is the preemption rule's)
+            return "RUN.PREEMPT_FOR_BLOCKS" if _self_preempted(spec) else "BUDGET.TOKENS"
         if request not in a or request not in b or a[request] == b[request]:
             return None
         hit_a, hit_b = (spec.cache_hits or {}).get(request), (engine.cache_hits or {}).get(request)
@@ -642,21 +643,42 @@ _QUEUE_RULES = {"fcfs": "QUEUE.FCFS", "priority": "QUEUE.PRIORITY", "spf": "QUEU
 def queue_order_cause(spec: StepRecord | None, engine: StepRecord | None, request: str | None) -> str | None:
     """The queue order (:data:`QUEUE_ORDER`, or :data:`QUEUE_ORDER_RESUMED` where the first request
     the two sides take differently was preempted) when both sides took as many requests from the
-    waiting queue at this step, preempting none, but not the same ones in the same order, and
+    waiting queue at this step (the spec's counting the request its admission stopped at, where the
+    engine took one more: :func:`_blocked_head`), preempting none, but not the same ones in the same order, and
     ``request`` is one of them: the queue put another request first; whatever the request's own
     ``ADMIT.*`` reason says, the order decided it."""
     if spec is None or engine is None or spec.preempted or engine.preempted:
         return None
     a, b = list(spec.resumed) + list(spec.new), list(engine.resumed) + list(engine.new)
-    if not a or len(a) != len(b) or request not in a + b:
+    if not b:
         return None
-    taken = [(x, y) for x, y in zip(_admission_order(spec, a), _admission_order(engine, b)) if x != y]
+    a, b = _admission_order(spec, a), _admission_order(engine, b)
+    head = _blocked_head(spec, a) if len(a) < len(b) else None
+    if head is not None:  # the spec's admission stopped at its head; the engine took another there
+        a.append(head)
+    if len(a) != len(b) or request not in a + b:
+        return None
+    taken = [(x, y) for x, y in zip(a, b) if x != y]
     if not taken:
         return None
     x, y = taken[0]
     if x in spec.swapped_in or y in engine.swapped_in:  # (resumed from the CPU: the swapped queue's order)
         return "SWAP.IN"
     return QUEUE_ORDER_RESUMED if x in spec.resumed or y in engine.resumed else QUEUE_ORDER
+
+
+def _blocked_head(record: StepRecord, taken: list[str]) -> str | None:
+    """The request at which the step's admission stopped (head-of-line blocking): the first request
+    not ``taken`` that an admission test refused in the step's reasons, or None."""
+    for r in record.reasons or ():
+        rule, rid = str(r.get("rule", "")), r.get("request")
+        if rid is not None and rid not in taken and rule.startswith(_REFUSALS) and rule not in _ADMITTED:
+            return rid
+    return None
+
+
+#: Reasons that refuse a waiting request's admission (a request admitted has one of :data:`_ADMITTED`).
+_REFUSALS, _ADMITTED = ("ADMIT.", "KV.NO_FREE_BLOCKS", "ESTIMATE.ADMIT"), ("ADMIT.NEW", "ADMIT.RESUMED")
 
 
 #: The rejection rule of each reason a log gives for refusing a request at arrival.
@@ -695,6 +717,12 @@ def _walk_ended_early(spec: StepRecord, engine: StepRecord, request: str) -> boo
     if long_[: len(short)] != short or long_[len(short)][0] != request:
         return False
     return not any(request in ids for rec in (spec, engine) for ids in (rec.new, rec.resumed, rec.preempted))
+
+
+def _self_preempted(record: StepRecord) -> bool:
+    """Whether a running request preempted itself in this step (the spec's ``RUN.PREEMPT_FOR_BLOCKS``
+    reason, logged only then): the running walk then ends, or goes on (priority_self_preempt)."""
+    return any(r.get("rule") == "RUN.PREEMPT_FOR_BLOCKS" for r in record.reasons or ())
 
 
 #: Fields whose value for a request is the tokens (or the admission) the step's budget left it.
@@ -746,12 +774,28 @@ def spec_reason(record: StepRecord | None, request: str | None, field_name: str 
     return pick.get("rule"), pick.get("text"), reasons
 
 
+def _wrong_token(spec: StepRecord | None, engine: StepRecord | None, name: str) -> Divergence | None:
+    """SAMPLE.SCRIPTED: an engine that samples the trace's script (scheduler-only) sampled another
+    token than the spec, which samples the script itself, for a request both sampled in the step."""
+    if spec is None or engine is None:
+        return None
+    for rid in sorted(set(spec.sampled) & set(engine.sampled)):
+        if spec.sampled[rid] != engine.sampled[rid]:
+            return Divergence(spec.step, "sampled", {rid: spec.sampled[rid]}, {rid: engine.sampled[rid]}, rid,
+                              "SAMPLE.SCRIPTED", f"the trace's script gives {rid} token {spec.sampled[rid]} here",
+                              DECISION, name)
+    return None
+
+
 def first_divergence(spec_records: Iterable[StepRecord], engine_records: Iterable[StepRecord],
-                     level: str = "exact", engine: str = "engine", history: Iterable[StepRecord] = ()) -> Divergence | None:
+                     level: str = "exact", engine: str = "engine", history: Iterable[StepRecord] = (),
+                     tokens: bool = False) -> Divergence | None:
     """The first step and field where the logs differ at ``level``, or ``None``.
 
     ``history``: the spec's records before the first of ``spec_records``, not compared (a lock-step
     replay diffs one step at a time): the blame of a memory or state field looks back into them.
+    ``tokens``: the engine samples the trace's script, as the spec does, so token values are
+    compared too (``SAMPLE.SCRIPTED``), not only which requests sampled.
     Raises :class:`LevelError` if a log record lacks the fields ``level`` compares.
     """
     if level not in LEVELS:
@@ -766,6 +810,9 @@ def first_divergence(spec_records: Iterable[StepRecord], engine_records: Iterabl
     for step in sorted(set(by_spec) | set(by_engine)):
         s, e = by_spec.get(step), by_engine.get(step)
         s_rec, e_rec = s or StepRecord(step), e or StepRecord(step)
+        wrong = _wrong_token(s, e, engine) if tokens and "sampled" in names else None
+        if wrong is not None:  # a token the script did not give: the cause of whatever else differs
+            return wrong
         for name in names:
             a, b = _value(s_rec, name, s is None), _value(e_rec, name, e is None)
             if a is None or b is None or a == b:

@@ -6,7 +6,12 @@ engine runs first, then the spec runs the same step **fed with the engine's
 sampled tokens** (``SpecEngine.feed(record.sampled)``): token values matter to
 scheduling only through stop conditions and prefix hashing, and in a
 differential run they are an input, not something the spec predicts
-(DESIGN.md §3).  Whether those tokens are *right* is the reference engine's job.
+(DESIGN.md §3).  Whether those tokens are *right* is the reference engine's job,
+except for an engine that declares it samples the trace's script
+(``samples_script``, a scheduler-only engine such as ``gpu``): the spec then
+samples the script itself and token values are compared too (``SAMPLE.SCRIPTED``:
+a sampler reading the wrong output index, a ``min_tokens`` mask one output short,
+would otherwise move stops with no decision showing it).
 
 The two records of each step are compared as soon as they exist
 (:func:`fuzz.diff.first_divergence`), and the replay **stops at the first
@@ -362,6 +367,7 @@ def _lock_step(trace: Trace, eng, name: str, level: str, t0: float, after: int |
     optional = _optional_fields(level)
     fed = FedSpec(SpecEngine.from_trace(trace), [])
     spec = Stepper(fed, trace)
+    scripted = bool(getattr(getattr(eng, "engine", None), "samples_script", False))  # the spec samples the script itself
     eng_recs: list[StepRecord] = []
     spec_recs: list[StepRecord] = []
     found: Divergence | None = None
@@ -399,7 +405,7 @@ def _lock_step(trace: Trace, eng, name: str, level: str, t0: float, after: int |
         if e_rec is not None:
             eng_recs.append(e_rec)
         if s_next == k:
-            fed.tokens[k] = e_rec.sampled if e_rec is not None else {}
+            fed.tokens[k] = e_rec.sampled if e_rec is not None and not scripted else {}
             try:
                 spec_recs.append(spec.run_step())
             except SideError as err:
@@ -408,7 +414,7 @@ def _lock_step(trace: Trace, eng, name: str, level: str, t0: float, after: int |
         s_rec = spec_recs[-1] if spec_recs and spec_recs[-1].step == k else None
         if found is None and not _same(s_rec, e_rec, names, optional):
             found = first_divergence([s_rec] if s_rec else [], [e_rec] if e_rec else [], level, engine=name,
-                                     history=spec_recs[:-1] if s_rec else spec_recs)
+                                     history=spec_recs[:-1] if s_rec else spec_recs, tokens=scripted)
             if found is not None:
                 found.rule = as_configured(found.rule, trace.config)
                 if after is not None:

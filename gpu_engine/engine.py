@@ -152,6 +152,7 @@ class GpuEngine:
         self.device = torch.device(device)
         self.sched = Scheduler(config, self.device, use_numpy=use_numpy, host_tables=level == "exact")
         self.model = None if model is None else make_model(model, self.device, dtype, seed, vocab_size)
+        self.samples_script = model is None  # scheduler-only: tokens are the trace's script (a replay compares them)
         if self.model is not None:
             mc = self.model.config
             if mc.vocab_size < vocab_size:

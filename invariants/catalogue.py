@@ -52,6 +52,12 @@ LOG_ONLY = {
         "No request is admitted in a step that preempted (vllm-v1).",
         ("VLLM-01", "VLLM-02"),
     ),
+    "SAMPLE.MIN_TOKENS_MASKED": (
+        "Among a request's first min_tokens outputs no token is EOS (unless ignore_eos) or one of its "
+        "stop token ids: the sampler masks them until min_tokens outputs exist, so such a request "
+        "never stops on a token before then.",
+        ("VLLM-24", "VLLM-25", "TRT-09", "TRT-10"),
+    ),
     "LIVE.EVERY_REQUEST_ENDS": (
         "Once arrivals stop, every admissible request finishes (liveness, on bounded traces).",
         ("VLLM-05", "VLLM-06", "TGI-01", "LMD-03"),

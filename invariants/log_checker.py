@@ -73,6 +73,7 @@ LOG_CHECKS: dict[str, str] = {
     "SAMPLE.IN_VOCAB": "log (vocab_size: trace)",
     "SAMPLE.AFTER_PREFILL": "trace",
     "STOP.CONSISTENT": "trace",
+    "SAMPLE.MIN_TOKENS_MASKED": "trace",
     "REJECT.CONSISTENT": "trace",
     "REQ.COMPUTED_LE_TOKENS": "trace",
     "QUEUE.ADMISSION_ORDER": "trace",
@@ -689,10 +690,21 @@ class LogChecker:
             live = ("running", "waiting") if self.cfg.async_scheduling else ("running",)
             if r is None or r.source is None or r.state not in live:
                 continue
+            self._check_min_tokens(s, r, token)
             want = self._verdicts.pop(rid) if rid in self._verdicts else self._stop_reason(r, token)
             if want != finished.get(rid):
                 got = finished.get(rid, "not finished")
                 self.flag("STOP.CONSISTENT", s, rid, f"{got} after sampling {token} (output {r.outputs}); the stop rules say {want or 'go on'}", "finished")
+
+    def _check_min_tokens(self, s: int, r: _Req, token: int) -> None:
+        """SAMPLE.MIN_TOKENS_MASKED: the sampler masks EOS (unless ignore_eos) and the stop token
+        ids until a request has ``min_tokens`` outputs, so none of them is among its first ones."""
+        src = r.source
+        if r.outputs > src.min_tokens:  # (``outputs`` counts this token: index outputs - 1)
+            return
+        if token in src.stop_token_ids or (token == self.trace.eos_token_id and not src.ignore_eos):
+            self.flag("SAMPLE.MIN_TOKENS_MASKED", s, r.request_id,
+                      f"output {r.outputs - 1} is stop token {token}, inside min_tokens={src.min_tokens}", "sampled")
 
     def _stop_reason(self, r: _Req, token: int) -> str | None:
         """The stop rules' verdict after ``r`` sampled ``token`` (vLLM's check_stop order)."""

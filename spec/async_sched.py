@@ -177,7 +177,7 @@ def apply_outputs(eng: "SpecEngine", flight: list[InFlight], fed: dict[str, int]
         # with drafts in flight the index depends on how many the batch before accepted: the
         # tokens go at the end of the outputs (f.index, fixed at launch, is the same without drafts)
         index = len(req.output_token_ids) if eng.num_spec else f.index
-        token = fed[f.request_id] if f.request_id in fed else req.source.output_token(index, eng.vocab_size, eng.eos_token_id)
+        token = fed[f.request_id] if f.request_id in fed else eng.scripted(req, index)
         took[f.request_id] = token
         was_running = req.status == Status.RUNNING
         if f.drafts:

@@ -56,7 +56,12 @@ from spec.formats import StepRecord, Trace, TraceRequest
 
 @runtime_checkable
 class Engine(Protocol):
-    """What the harness needs from an engine."""
+    """What the harness needs from an engine.
+
+    Optional: ``samples_script = True`` declares that the engine samples the trace's scripted
+    tokens (``TraceRequest.output_token``, rule SAMPLE.SCRIPTED), as a scheduler-only engine
+    does; a differential replay then lets the spec sample its own and compares token values
+    too.  Without it the spec takes the engine's tokens (an engine running a model)."""
 
     name: str
 

@@ -649,6 +649,22 @@ def vtc_cost(req: Request, start: int, n: int, cfg: SchedulerConfig) -> float:
     return cfg.vtc_input_price * prompt + cfg.vtc_output_price * (n - prompt)
 
 
+@rule("SAMPLE.SCRIPTED")
+def scripted_token(source: TraceRequest, index: int, vocab_size: int, eos_token_id: int | None) -> int:
+    """The token output ``index`` of a request samples when no model runs (the spec on its own,
+    a scheduler-only engine): the trace's ``output_tokens`` first, then the synthetic rule
+    ``crc32("<id>#out<index>")``; among the first ``min_tokens`` outputs EOS (unless
+    ``ignore_eos``) and the stop token ids are masked, as vLLM's min-tokens logits processor
+    masks them in its sampler.
+
+    Token values reach scheduling only through stop conditions and prefix hashes, and an
+    engine with a model samples its own (the replay feeds them to the spec).  An engine that
+    samples this script must sample exactly it: a sampler that reads the wrong output index,
+    or whose stop-token mask ends one output early or late (real sampler bugs), otherwise
+    moves a stop without any scheduling decision showing it."""
+    return source.output_token(index, vocab_size, eos_token_id)
+
+
 @rule("STOP.EOS", applies=bool)
 def stopped_by_eos(req: Request, token: int) -> bool:
     """Sampling the EOS token finishes the request, unless it ignores EOS."""
@@ -1277,7 +1293,11 @@ class SpecEngine:
 
     def _synthetic_token(self, request_id: str) -> int:
         req = self.requests[request_id]
-        return req.source.output_token(len(req.output_token_ids), self.vocab_size, self.eos_token_id)
+        return self.scripted(req, len(req.output_token_ids))
+
+    def scripted(self, req: Request, index: int) -> int:
+        """SAMPLE.SCRIPTED for ``req``'s output ``index`` (this engine's vocabulary and EOS)."""
+        return scripted_token(req.source, index, self.vocab_size, self.eos_token_id)
 
     # -- schedule --------------------------------------------------------
 
