@@ -86,6 +86,7 @@ class ToyEngine:
 
     name = "toy"
     capabilities = CAPABILITIES  # read by batchspec fuzz / conform / fuzz.strategies
+    samples_script = True  # it samples TraceRequest.output_token: a replay compares token values too
 
     def __init__(self, trace: Trace):
         cfg = resolve(trace.config)

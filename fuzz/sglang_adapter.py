@@ -334,6 +334,7 @@ class SglangEngine:
     """SGLang 0.5.23's scheduler as an engine of the protocol (see the module docstring)."""
 
     name = "sglang"
+    samples_script = True  # the fake model samples the trace's script: the replay compares token values
 
     def __init__(self, trace: Trace):
         self.sgl = sglang_modules()

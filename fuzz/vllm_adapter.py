@@ -326,6 +326,7 @@ class VllmEngine:
     ``release_as_is``: run the installed release whatever the trace's :data:`RELEASE_KNOBS` say."""
 
     name = "vllm"
+    samples_script = True  # the fake model samples the trace's script (min_tokens mask included)
 
     def __init__(self, trace: Trace, release_as_is: bool = False):
         v = vllm_modules()
