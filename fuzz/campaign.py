@@ -72,7 +72,9 @@ from spec.rules import HITS, all_rules
 #: Generator options that tend to exercise each family of rules.
 STEERING: dict[str, dict[str, Any]] = {
     "PREEMPT.": {"tight_memory": True},
-    "RUN.PREEMPT_FOR_BLOCKS": {"tight_memory": True},
+    # whether the walk goes on after a self-preemption is a priority knob (vLLM 0.33 goes on) that no
+    # profile sets with the priority policy: steered traces take it
+    "RUN.PREEMPT_FOR_BLOCKS": {"tight_memory": True, "policy": "priority", "priority_self_preempt": "continue"},
     "KV.": {"tight_memory": True},
     "CACHE.": {"prefix_groups": True, "enable_prefix_caching": True, "clones": True},
     "ADMIT.NO_CHUNKING": {"enable_chunked_prefill": False, "max_model_len": 64, "max_num_batched_tokens": 64},
@@ -83,9 +85,10 @@ STEERING: dict[str, dict[str, Any]] = {
     "QUEUE.PRIORITY": {"policy": "priority"},
     # (aging's knob is a positive number, no plain value in RULE_NEEDS; 4 steps: ages differ between requests)
     "QUEUE.AGING": {"policy": "priority", "aging_steps": 4},
-    # a length-ordered queue re-sorts preempted victims: memory pressure makes victims
-    "QUEUE.SPF": {"policy": "spf", "tight_memory": True},
-    "QUEUE.SPRPT": {"policy": "sprpt", "tight_memory": True},
+    # a length-ordered queue re-sorts preempted victims: memory pressure makes victims, and the
+    # generator's most requests a queue to re-sort them among (twice the divergent traces of 2-12)
+    "QUEUE.SPF": {"policy": "spf", "tight_memory": True, "n_requests": 12},
+    "QUEUE.SPRPT": {"policy": "sprpt", "tight_memory": True, "n_requests": 12},
     "REJECT.": {"rejections": True},
     "STOP.EOS": {"eos": True},
     "STOP.STOP_TOKEN": {"stop_tokens": True},
@@ -106,11 +109,12 @@ STEERING: dict[str, dict[str, Any]] = {
     # the ignore_eos reserve simulates the ignore_eos requests' outputs: many of them
     "ESTIMATE.IGNORE_EOS_RESERVE": {"ignore_eos": True},
     # SLO admission control acts on waiting requests that can no longer make their deadline: a small
-    # budget and a short pool keep a queue of them (deferral re-keys them behind the rest)
+    # budget and a short pool keep a queue of them (deferral re-keys them behind the rest), the most
+    # requests a long one (a preempted request not yet sampled is deferred, never refused)
     "SLO.": {"policy": "edf", "slo_admission": "defer", "tight_memory": True, "enable_chunked_prefill": True,
-             "max_num_batched_tokens": 16},
+             "max_num_batched_tokens": 16, "n_requests": 12},
     "SLO.REFUSE": {"policy": "edf", "slo_admission": "refuse", "tight_memory": True, "enable_chunked_prefill": True,
-                   "max_num_batched_tokens": 16},
+                   "max_num_batched_tokens": 16, "n_requests": 12},
     # SGLang's eager eviction needs both: a retraction, and cached leaves to evict
     "CACHE.EVICT_ON_RETRACT": {"admission": "estimate", "tight_memory": True, "new_token_ratio_init": 0.2,
                                "new_token_ratio_decay_steps": 4, "prefix_groups": True},

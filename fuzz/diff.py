@@ -241,7 +241,7 @@ _FAMILIES = {
     "preempted": ("PREEMPT.", "RUN.", "KV."),
     "finished": ("STOP.",),
     "aborted": ("ABORT.",),
-    "rejected": ("REJECT.", "ARRIVE."),
+    "rejected": ("REJECT.", "SLO.", "ARRIVE."),  # (SLO admission control refuses after arrival)
     "sampled": ("SAMPLE.", "RUN.", "ADMIT.", "STOP."),
     "cache_hits": ("CACHE.", "ADMIT."),
     "computed": ("RUN.", "ADMIT.", "BUDGET.", "CACHE."),
@@ -498,9 +498,19 @@ def as_configured(rule: str | None, config: dict[str, Any]) -> str | None:
     release in another order names ``KV.FREE_IN_ORDER`` there (SGLang frees head first).  A different
     pick from the waiting queue (:data:`QUEUE_ORDER`) names the policy's order rule."""
     if rule not in ("CACHE.EVICT_LRU", "KV.FREE_REVERSED", "KV.FREE_ORDER", QUEUE_ORDER, QUEUE_ORDER_RESUMED,
-                    *_REJECT_RULES.values()):
+                    "CACHE.REGISTER_AT_ALLOCATION", *_REJECT_RULES.values()):
         return rule
     from spec.config import ConfigError, resolve
+
+    if rule == "CACHE.REGISTER_AT_ALLOCATION":  # the state field's default: when blocks enter the cache as configured
+        try:
+            cfg = resolve(config)
+        except (ConfigError, TypeError, ValueError):
+            return rule
+        if cfg.cache_register != "allocation":
+            return _REGISTER_RULES[cfg.cache_register]
+        # (synchronous speculative decoding: accepted drafts' blocks enter at output or at the next allocation)
+        return "SPEC.CACHE_AT_OUTPUT" if cfg.num_speculative_tokens and not cfg.async_scheduling else rule
 
     if rule == "KV.FREE_ORDER":  # under free_block_order=tail every release goes to the tail: KV.FREE_TO_TAIL
         try:
@@ -544,7 +554,7 @@ def ended_rule(history: Iterable[StepRecord], request: str | None) -> str | None
         for rid, why in list(rec.finished) + list(rec.rejected):
             if rid == request:
                 mine = [str(r.get("rule")) for r in rec.reasons or () if r.get("request") == request
-                        and str(r.get("rule", "")).startswith(("STOP.", "REJECT."))]
+                        and str(r.get("rule", "")).startswith(("STOP.", "REJECT.", "SLO.REFUSE"))]
                 # (a log without reasons, e.g. another engine's as the reference: a refusal's own reason)
                 return mine[0] if mine else _REJECT_RULES.get(why) if (rid, why) in rec.rejected else None
     return None
@@ -683,13 +693,16 @@ _REFUSALS, _ADMITTED = ("ADMIT.", "KV.NO_FREE_BLOCKS", "ESTIMATE.ADMIT"), ("ADMI
 
 #: The rejection rule of each reason a log gives for refusing a request at arrival.
 _REJECT_RULES = {"prompt_too_long": "REJECT.PROMPT_TOO_LONG", "never_fits": "REJECT.NEVER_FITS"}
+#: When blocks enter the prefix cache, by ``cache_register`` (:func:`as_configured`).
+_REGISTER_RULES = {"computed": "CACHE.REGISTER_WHEN_COMPUTED", "prefill-and-finish": "CACHE.REGISTER_PREFILL_AND_FINISH"}
 
 
 def field_rule(name: str, spec: StepRecord, engine: StepRecord, request: str | None) -> str | None:
     """The one rule that decides ``name`` for ``request`` where the spec gives no reason of that rule
     (the engine did it, the spec did not): a swap-in or swap-out (``SWAP.IN`` / ``SWAP.OUT``), and a
     rejection at arrival, by the engine's reason (``REJECT.*``; the spec queued it, so its own
-    reason says ``ARRIVE.QUEUED``); the same refusals listed in another order, the waiting queue's order
+    reason says ``ARRIVE.QUEUED``), or SLO admission control's refusal, by its feasibility test
+    (``SLO.FEASIBLE``); the same refusals listed in another order, the waiting queue's order
     (:data:`QUEUE_ORDER`: SLO admission control refuses in queue order)."""
     mine = [str(r.get("rule", "")) for r in spec.reasons or () if r.get("request") == request]
     if name in ("swapped_in", "swapped_out"):
@@ -697,8 +710,9 @@ def field_rule(name: str, spec: StepRecord, engine: StepRecord, request: str | N
         return None if own in mine else own
     if name == "rejected" and spec.rejected and sorted(map(tuple, spec.rejected)) == sorted(map(tuple, engine.rejected)):
         return QUEUE_ORDER  # the same refusals in another order: a step lists its refusals in queue order
-    if name == "rejected" and not any(r.startswith("REJECT.") for r in mine):
-        return _REJECT_RULES.get(dict(engine.rejected).get(request))
+    if name == "rejected" and not any(r.startswith(("REJECT.", "SLO.")) for r in mine):
+        why = dict(engine.rejected).get(request)  # (SLO admission control's refusal: the feasibility test's)
+        return "SLO.FEASIBLE" if why == "slo_infeasible" else _REJECT_RULES.get(why)
     return None
 
 
