@@ -80,6 +80,9 @@ STEERING: dict[str, dict[str, Any]] = {
     "ADMIT.NO_CHUNKING": {"enable_chunked_prefill": False, "max_model_len": 64, "max_num_batched_tokens": 64},
     "ADMIT.WATERMARK": {"watermark": 0.1, "tight_memory": True},
     "ADMIT.MAX_NUM_SEQS": {"max_num_seqs": 2},
+    # a per-step limit binds where more requests run than it lets decode: small, and a prefill-first
+    # batch (nano-vllm) admitting beside them (continuous batching's admission stops at the limit)
+    "BATCH.MAX_NUM_SEQS_PER_STEP": {"max_num_seqs": 2, "batching": "prefill-first"},
     "ADMIT.FULL_SEQUENCE": {"tight_memory": True, "scheduler_reserve_full_isl": True},
     "BUDGET.LONG_PREFILL": {"long_prefill_token_threshold": 4},
     "QUEUE.PRIORITY": {"policy": "priority"},

@@ -616,8 +616,12 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
     if name == "scheduled":
         a, b = dict(spec.scheduled), dict(engine.scheduled)
         if (request in a) != (request in b) and _walk_ended_early(spec, engine, request):
-            # (after a request preempted itself, whether the walk goes on is the preemption rule's)
-            return "RUN.PREEMPT_FOR_BLOCKS" if _self_preempted(spec) else "BUDGET.TOKENS"
+            # (after a request preempted itself, whether the walk goes on is the preemption rule's; a
+            # spec walk that stopped at max_num_seqs scheduled says so in the request's own reason)
+            if _self_preempted(spec):
+                return "RUN.PREEMPT_FOR_BLOCKS"
+            mine = {r.get("rule") for r in spec.reasons or () if r.get("request") == request}
+            return "BATCH.MAX_NUM_SEQS_PER_STEP" if "BATCH.MAX_NUM_SEQS_PER_STEP" in mine else "BUDGET.TOKENS"
         if request not in a or request not in b or a[request] == b[request]:
             return None
         hit_a, hit_b = (spec.cache_hits or {}).get(request), (engine.cache_hits or {}).get(request)
