@@ -1,0 +1,86 @@
+"""Blind-spot hunt, round 4 (issue 18): the report names and steering targets its planted bugs needed.
+
+Each report test builds the two logs a planted gpu_engine bug produced (shrunk by hand to the step
+that differs) and checks the rule the first divergence names; the steering tests check that a
+mechanism no profile combines is drawn where it binds."""
+from __future__ import annotations
+
+from fuzz.diff import as_configured, first_divergence
+from spec.formats import StepRecord
+
+
+def reason(rule: str, request: str, text: str = "") -> dict:
+    return {"rule": rule, "request": request, "text": text}
+
+
+def test_a_walk_that_goes_on_after_a_self_preemption_names_the_preemption_rule():
+    """priority_self_preempt=continue: the spec's walk goes on after C preempted itself, the engine's
+    stopped there (self_preempt_continue_ignored); with no self-preemption the budget cut it short."""
+    spec = [StepRecord(5, scheduled=[("A", 1), ("B", 5)], preempted=["C"],
+                       reasons=[reason("RUN.DECODE", "A"), reason("PREEMPT.VICTIM_LOWEST_PRIORITY", "C"),
+                                reason("RUN.PREEMPT_FOR_BLOCKS", "C", "preempted itself; continuing"),
+                                reason("RUN.DECODE", "B")])]
+    eng = [StepRecord(5, scheduled=[("A", 1)], preempted=["C"])]
+    assert first_divergence(spec, eng, "decisions").rule == "RUN.PREEMPT_FOR_BLOCKS"
+    plain = [StepRecord(5, scheduled=[("A", 1), ("B", 5)], reasons=[reason("RUN.DECODE", "A"), reason("RUN.DECODE", "B")])]
+    assert first_divergence(plain, [StepRecord(5, scheduled=[("A", 1)])], "decisions").rule == "BUDGET.TOKENS"
+
+
+def test_a_spec_walk_stopped_at_max_num_seqs_scheduled_names_the_per_step_limit():
+    """max_num_seqs_scope=step: the engine decoded one request more than the limit (step_scope_inclusive)."""
+    spec = [StepRecord(7, scheduled=[("A", 1), ("B", 1)],
+                       reasons=[reason("RUN.DECODE", "A"), reason("RUN.DECODE", "B"),
+                                reason("BATCH.MAX_NUM_SEQS_PER_STEP", "C", "not reached: max_num_seqs scheduled")])]
+    eng = [StepRecord(7, scheduled=[("A", 1), ("B", 1), ("C", 1)])]
+    assert first_divergence(spec, eng, "decisions").rule == "BATCH.MAX_NUM_SEQS_PER_STEP"
+
+
+def test_another_request_taken_where_the_spec_admission_stopped_names_the_queue_order():
+    """The spec's head X failed its whole-sequence test (head-of-line blocking); the engine admitted Y:
+    its queue put Y first (sprpt_ignores_outputs).  The engine admitting X itself is the test's business."""
+    spec = [StepRecord(3, scheduled=[("A", 1)],
+                       reasons=[reason("RUN.DECODE", "A"), reason("ADMIT.FULL_SEQUENCE", "X", "needs 4 blocks, 3 free")])]
+    other = [StepRecord(3, scheduled=[("A", 1), ("Y", 9)], new=["Y"])]
+    div = first_divergence(spec, other, "decisions")
+    assert div.request == "Y" and as_configured(div.rule, {"policy": "sprpt"}) == "QUEUE.SPRPT", div.describe()
+    assert as_configured(div.rule, {"policy": "spf", "aging_steps": 4}) == "QUEUE.AGING"
+    same = [StepRecord(3, scheduled=[("A", 1), ("X", 9)], new=["X"])]
+    assert first_divergence(spec, same, "decisions").rule == "ADMIT.FULL_SEQUENCE"
+
+
+def test_slo_refusals_only_one_side_made_name_slo_admission_control():
+    """The engine refused a request the spec found feasible (slo_feasible_off_by_one): the feasibility
+    test; the engine admitted a request the spec refused in that very step: the refusal."""
+    spec = [StepRecord(4, scheduled=[("A", 1)], reasons=[reason("ARRIVE.QUEUED", "B"), reason("RUN.DECODE", "A")])]
+    eng = [StepRecord(4, scheduled=[("A", 1)], rejected=[("B", "slo_infeasible")])]
+    assert first_divergence(spec, eng, "decisions").rule == "SLO.FEASIBLE"
+    refused = [StepRecord(4, scheduled=[("A", 1)], rejected=[("B", "slo_infeasible")],
+                          reasons=[reason("RUN.DECODE", "A"), reason("SLO.REFUSE", "B", "cannot finish prefill")])]
+    runs = [StepRecord(4, scheduled=[("A", 1), ("B", 15)], new=["B"])]
+    assert first_divergence(refused, runs, "decisions").rule == "SLO.REFUSE"
+
+
+def test_a_registration_blame_names_the_configured_registration_rule():
+    """The state field's default rule, CACHE.REGISTER_AT_ALLOCATION, as the trace's configuration
+    registers blocks (finish_not_registered, cache_at_output_always)."""
+    rule = "CACHE.REGISTER_AT_ALLOCATION"
+    assert as_configured(rule, {}) == rule
+    assert as_configured(rule, {"cache_register": "computed"}) == "CACHE.REGISTER_WHEN_COMPUTED"
+    assert as_configured(rule, {"profile": "sglang"}) == "CACHE.REGISTER_PREFILL_AND_FINISH"
+    assert as_configured(rule, {"num_speculative_tokens": 2}) == "SPEC.CACHE_AT_OUTPUT"
+    assert as_configured(rule, {"num_speculative_tokens": 2, "async_scheduling": True}) == rule
+
+
+def test_steering_draws_the_knob_values_that_bind_where_no_profile_does():
+    """vLLM 0.33's self-preemption rule under the priority policy (its profile is FCFS), and the
+    per-step limit under prefill-first batching with a small max_num_seqs (nano-vllm's 512 never binds),
+    are in the rotation every campaign goes round."""
+    from fuzz.campaign import STEERING, _all_targets, rule_target
+
+    targets = _all_targets(None)
+    assert any(t.get("policy") == "priority" and t.get("priority_self_preempt") == "continue" for t in targets)
+    step = rule_target("BATCH.MAX_NUM_SEQS_PER_STEP")
+    assert step["max_num_seqs_scope"] == "step" and step["batching"] == "prefill-first" and step["max_num_seqs"] <= 2
+    assert step in [dict(t) for t in targets]
+    # queue mechanisms (a length order re-sorting victims, SLO admission control) need a queue: the most requests
+    assert all(STEERING[prefix]["n_requests"] == 12 for prefix in ("QUEUE.SPF", "QUEUE.SPRPT", "SLO.", "SLO.REFUSE"))
