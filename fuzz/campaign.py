@@ -49,6 +49,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
+import random
 import signal
 import sys
 import threading
@@ -59,6 +60,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fuzz.corpus import save_finding
+from fuzz.diff import SPAN
 from spec.io import OptionError
 from fuzz.generate import profile_knobs, random_trace
 from fuzz.pairs import BY_NAME as INTERACTION_BY_NAME, reachable_interactions, trace_pairs
@@ -335,6 +337,8 @@ def _run_task(task: Task, on_detect: OnDetect | None) -> Outcome:
         result = task_replay(task, trace)
     except EngineConfigError as e:  # the engine's own validation refuses a drawn configuration: not run
         return Outcome(task.index, task.seed, task.options, outside=f"the engine refuses it: {e}")
+    if result.agreed and checks_spans(task):
+        result = with_span_check(result)
     rules = sorted(HITS)
     out = Outcome(task.index, task.seed, task.options, rules, len(result.spec_records), original_requests=len(trace.requests))
     out.pairs, out.interactions = trace_pairs(result.spec_records, resolve(trace.config).max_num_batched_tokens)
@@ -358,6 +362,8 @@ def _run_task(task: Task, on_detect: OnDetect | None) -> Outcome:
                 return False
             r = task_replay(task, dataclasses.replace(t, config={**t.config, "max_steps": limit}), shrinking=True,
                             livelocks=sig[0] == "livelock")
+            if sig[0] == SPAN:  # the steps agree, their fast path does not
+                return r.agreed and not with_span_check(r).agreed
             if r.agreed:
                 return False
             if sig[0] in ("error", "hang") and sig[2] != "-":
@@ -366,6 +372,8 @@ def _run_task(task: Task, on_detect: OnDetect | None) -> Outcome:
 
         small, out.shrink_tries = shrink(trace, same, seconds=SHRINK_SECONDS, max_tries=task.shrink_tries)
         out.shrunk = task_replay(task, small, after=REPORT_CONTEXT, livelocks=sig[0] == "livelock")
+        if sig[0] == SPAN:
+            out.shrunk = with_span_check(out.shrunk)
         if not out.shrunk.agreed:
             from fuzz.corpus import group_signature
 
@@ -373,6 +381,24 @@ def _run_task(task: Task, on_detect: OnDetect | None) -> Outcome:
             out.triage, out.detail = triage_of(task, out.shrunk)
     out.seconds = time.perf_counter() - t0
     return out
+
+
+#: One trace in this many of a campaign against ``gpu`` also runs gpu_engine's simulator fast path
+#: (:func:`fuzz.sim_engine.span_divergence`: ~1.5x a replay's cost, so ~5 % of the campaign's time).
+SPAN_CHECK_EVERY = 16
+
+
+def checks_spans(task: Task) -> bool:
+    """Whether this trace also checks gpu_engine's decode spans against the spec's steps."""
+    return task.engine == "gpu" and task.index % SPAN_CHECK_EVERY == 0
+
+
+def with_span_check(result: ReplayResult) -> ReplayResult:
+    """``result`` (a replay that agreed), with the decode-span check's divergence if it finds one."""
+    from fuzz.sim_engine import span_divergence
+
+    found = span_divergence(result.trace)
+    return result if found is None else dataclasses.replace(result, divergence=found)
 
 
 #: Built-in engines: the spec's own decisions re-implemented (a stall they share with the spec is the
@@ -1336,7 +1362,22 @@ def _valid(cfg: CampaignConfig, k: int, envelope, fixed: set[str], options: dict
     if "request_features" not in options and draws_request_features(envelope, key):
         options = {**options, "request_features": True}  # a share of the traces, against an engine that has them
     options = spec_decode_draw(envelope, key, options, fixed)
+    options = _self_preempt_draw(envelope, key, options, fixed)
     return repair(options, fixed, envelope, key=key)
+
+
+def _self_preempt_draw(envelope, key: str, options: dict[str, Any], fixed: set[str]) -> dict[str, Any]:
+    """vLLM 0.33's ``priority_self_preempt=continue`` for half the traces that leave it and the policy
+    free or priority (chosen by a hash of ``key``: any worker count draws the same traces), where the
+    envelope allows it (vLLM 0.32's does not).  The knob acts only under the priority policy, which no
+    profile sets with it: the default family's priority traces are where it meets self-preemptions."""
+    knob = "priority_self_preempt"
+    if knob in fixed or knob in options or options.get("policy", "priority") != "priority" \
+            or not envelope.allows(knob, "continue"):
+        return options
+    if random.Random(zlib.crc32(f"{key}:{knob}".encode())).random() >= 0.5:
+        return options
+    return {**options, knob: "continue"}
 
 
 def _profile_takes(profile: str, knobs: dict[str, Any]) -> bool:

@@ -84,3 +84,21 @@ def test_steering_draws_the_knob_values_that_bind_where_no_profile_does():
     assert step in [dict(t) for t in targets]
     # queue mechanisms (a length order re-sorting victims, SLO admission control) need a queue: the most requests
     assert all(STEERING[prefix]["n_requests"] == 12 for prefix in ("QUEUE.SPF", "QUEUE.SPRPT", "SLO.", "SLO.REFUSE"))
+
+
+def test_half_the_traces_free_to_be_priority_take_the_033_self_preemption_where_the_engine_has_it():
+    """A campaign draws priority_self_preempt=continue for about half the traces whose policy is free
+    or priority (the default family's priority traces then meet it), by a hash of the trace's key; never
+    where the envelope lacks it (vLLM 0.32), the policy is another, or the knob is fixed."""
+    from fuzz.campaign import _self_preempt_draw
+    from fuzz.capabilities import for_engine
+
+    gpu = for_engine("gpu")
+    drawn = [_self_preempt_draw(gpu, f"0:{k}", {}, set()).get("priority_self_preempt") for k in range(400)]
+    assert 120 < drawn.count("continue") < 280 and set(drawn) == {"continue", None}
+    assert drawn == [_self_preempt_draw(gpu, f"0:{k}", {}, set()).get("priority_self_preempt") for k in range(400)]
+    assert not any(_self_preempt_draw(gpu, f"0:{k}", {"policy": "fcfs"}, set()).get("priority_self_preempt")
+                   for k in range(100))
+    assert not any(_self_preempt_draw(gpu, f"0:{k}", {}, {"priority_self_preempt"}) for k in range(100))
+    vllm = for_engine("vllm")
+    assert not any(_self_preempt_draw(vllm, f"0:{k}", {}, set()) for k in range(100))
