@@ -36,6 +36,7 @@ from gpu_engine import xp  # noqa: E402
 from gpu_engine.block_pool import BlockPool  # noqa: E402
 from gpu_engine.fairness import TenantCounters  # noqa: E402
 from gpu_engine.radix import RadixBlockPool  # noqa: E402
+from gpu_engine.engine import GpuEngine  # noqa: E402
 from gpu_engine.scheduler import PREEMPTED, Scheduler  # noqa: E402
 
 
@@ -422,6 +423,83 @@ ROUND3_MUTANTS = [
            _one_line(Scheduler, "schedule", "if not len(slots2) and not len(slots_c):", "if not len(slots2):")),
 ]
 
+# -- blind-spot hunt, round 4: priority self-preemption, max_num_active_seqs, the adaptive long-prefill
+# cap, skip_prefix_cache, client arrival times, SPRPT, swap order, full reservation, SGLang's running
+# ratio, locked hits and idle reset, VTC ties, SLO feasibility and refusal, SGLang's registration at
+# prefill and finish, spec decode's caching at output, nano-vllm's per-step limit and first-only cut,
+# a recompute victim's place in the queue
+
+ROUND4_MUTANTS = [
+    Mutant("self_preempt_continue_ignored", "VLLM priority preemption", "priority_self_preempt=continue: the "
+           "running walk still ends when a request preempts itself (0.32's behaviour)",
+           _one_line(Scheduler, "_schedule_running",
+                     'if self.estimate or (c.policy == "priority" and c.priority_self_preempt == "continue"):',
+                     "if self.estimate:")),
+    Mutant("active_seqs_ignored", "VLLM-16", "admission ignores max_num_active_seqs (only max_num_seqs bounds it)",
+           _one_line(Scheduler, "__init__", "self.admit_limit = c.max_num_active_seqs or c.max_num_seqs",
+                     "self.admit_limit = c.max_num_seqs")),
+    Mutant("adaptive_floor_as_ceiling", "VLLM long-prefill", "the adaptive long-prefill cap takes the smaller of the "
+           "threshold and the fair share, not the larger",
+           _one_line(Scheduler, "schedule", "cap = max(cap, c.max_num_batched_tokens // eligible)",
+                     "cap = min(cap, c.max_num_batched_tokens // eligible)")),
+    Mutant("adaptive_counts_running_only", "VLLM long-prefill", "the adaptive fair share divides the budget by the "
+           "running requests only, not running + waiting",
+           _one_line(Scheduler, "schedule", "cap = max(cap, c.max_num_batched_tokens // eligible)",
+                     "cap = max(cap, c.max_num_batched_tokens // max(len(self.running), 1))")),
+    Mutant("skip_prefix_cache_ignored", "VLLM prompt_logprobs", "a request that must skip the prefix cache reads it",
+           _one_line(Scheduler, "_lookup_window", "[] if self.sources[s].skip_prefix_cache else pool.lookup(",
+                     "pool.lookup(")),
+    Mutant("client_time_ignored", "VLLM-03", "priority ties ignore client_arrival_time (the arrival order instead)",
+           _one_line(Scheduler, "add", "self.tie_times[s] = req.tie_time(arrival)", "self.tie_times[s] = arrival")),
+    Mutant("victim_tie_by_arrival", "VLLM-03", "the priority victim's tie-break takes the arrival order, not "
+           "client_arrival_time",
+           _one_line(Scheduler, "_victim_ties", "if not self.client_times:", "if True:")),
+    Mutant("sprpt_ignores_outputs", "SPRPT", "SPRPT keys a re-queued victim by its whole prediction, not what remains",
+           _one_line(Scheduler, "_base_key", " - int(self.num_output_tokens[s]), 0)", " - 0, 0)")),
+    Mutant("sprpt_prediction_uncapped", "SPRPT", "SPRPT's predicted output is not capped at max_tokens",
+           _one_line(Scheduler, "_base_key", "min(guess, cap)", "guess")),
+    Mutant("swap_order_ignores_priority", "VLLM V0 swap", "swap-in order ignores priority (arrival only)",
+           _one_line(Scheduler, "_swap_keys", 'if self.config.policy == "priority":', "if False:")),
+    Mutant("full_reserve_off_by_one", "TGI / Orca reservation", "kv_reservation=full reserves one slot past the peak "
+           "(prompt + max_tokens, not prompt + max_tokens - 1)",
+           _one_line(Scheduler, "_reservation", "self.prompt_len[slots] + self.max_tokens[slots] - 1",
+                     "self.prompt_len[slots] + self.max_tokens[slots]")),
+    Mutant("running_ratio_ignores_eos", "SGL ignore_eos", "the running requests' estimate scales ignore_eos requests "
+           "by the ratio too",
+           _one_line(Scheduler, "_estimate_rem", "ratio = np.where(h(self.ignore_eos[run]) == 1, 1.0, self.ratio)",
+                     "ratio = np.where(h(self.ignore_eos[run]) == 1, self.ratio, self.ratio)")),
+    Mutant("own_hit_unlocked", "SGL estimate", "the estimate does not charge a candidate the evictable blocks of its hit",
+           _one_line(Scheduler, "_schedule_waiting", "cand, rem, evictable * self.bs)", "cand, rem, evictable * 0)")),
+    Mutant("vtc_pick_tie_last", "VTC", "VTC ties go to the tenant seen last",
+           _one_line(TenantCounters, "pick", "return int(masked.argmin())", "return int(n - 1 - masked[::-1].argmin())")),
+    Mutant("slo_feasible_off_by_one", "SLO", "SLO admission control counts one step more before the TTFT deadline",
+           _one_line(F, "feasible", "now + cdiv(tokens, budget) - 1 <= deadline", "now + cdiv(tokens, budget) - 2 <= deadline")),
+    Mutant("slo_refuses_preempted", "SLO", "slo_admission=refuse also refuses a preempted request (it must be deferred)",
+           _one_line(Scheduler, "_slo_admission", "if refuse and status == WAITING:", "if refuse:")),
+    Mutant("finish_not_registered", "SGL radix", "prefill-and-finish: a finished request's blocks are not inserted",
+           _one_line(Scheduler, "_settle_inserting", "if done or aborted or self.ids[s] in resumed",
+                     "if aborted or self.ids[s] in resumed")),
+    Mutant("stash_not_registered", "SGL chunked prefix", "prefill-and-finish: a cut prefill's blocks are not inserted "
+           "when the next step begins",
+           _one_line(Scheduler, "schedule",
+                     "self._cache_blocks(self.be.asarray([s]), self.be.asarray([int(self.num_computed_tokens[s])]))",
+                     "pass")),
+    Mutant("cache_at_output_always", "VLLM spec decode", "accepted drafts' blocks are cached at output whatever "
+           "spec_cache_at_output says",
+           _one_line(Scheduler, "__init__", "self.num_spec and c.spec_cache_at_output and not", "self.num_spec and not")),
+    Mutant("step_scope_inclusive", "nano-vllm max_num_seqs", "max_num_seqs_scope=step lets max_num_seqs + 1 requests "
+           "decode in a step",
+           _one_line(Scheduler, "_segment", "(xp.exclusive_cumsum((n > 0) * 1) < limit)",
+                     "(xp.exclusive_cumsum((n > 0) * 1) <= limit)")),
+    Mutant("chunk_only_first_inclusive", "nano-vllm chunking", "a later admission whose tokens exactly fill the budget "
+           "left is refused as if it had to be cut",
+           _one_line(Scheduler, "_first_cut_only", "behind & (rest > left)", "behind & (rest >= left)")),
+    Mutant("ratio_not_reset_when_idle", "SGL new_token_ratio", "new_token_ratio is not reset when the engine runs empty",
+           _one_line(GpuEngine, "_step_sync", "if s.estimate and not s.has_unfinished():", "if False:")),
+    Mutant("recompute_victim_to_tail", "VLLM-04", "a recompute victim returns to the queue's tail, not its front",
+           _one_line(Scheduler, "_preempt", "self._enqueue(s, front=not self.estimate)", "self._enqueue(s, front=False)")),
+]
+
 MUTANTS = [
     Mutant("block_off_by_one", "VLLM-17, ATOM#250", "a growing request gets one block too few at a block boundary", _block_off_by_one),
     Mutant("no_reset_on_preempt", "LMD-02, VLLM-13", "a preempted request keeps its computed-token count", _no_reset_on_preempt),
@@ -454,7 +532,7 @@ MUTANTS = [
            "one token early", _chunk_after_hit_off_by_one, "chunked-prefill x prefix-hit"),
     Mutant("retraction_drops_prefix", "SGL retract", "a retracted request's cached prefix leaves the prefix cache at once",
            _retraction_drops_prefix, "retraction x eviction"),
-] + BLIND_SPOT_MUTANTS + ROUND3_MUTANTS
+] + BLIND_SPOT_MUTANTS + ROUND3_MUTANTS + ROUND4_MUTANTS
 
 
 @contextlib.contextmanager
@@ -544,6 +622,31 @@ AT_FAULT: dict[str, tuple[str, ...]] = {
     "input_limit_off_by_one": ("REJECT.INPUT_LIMIT",),
     "spec_rollback_all": ("SPEC.ROLLBACK", "SPEC.ACCEPT"),
     "prefill_first_continued_decodes": ("RUN.CONTINUE_PREFILL_FIRST", "BATCH.PREFILL_ONLY"),
+    # blind-spot hunt, round 4
+    "self_preempt_continue_ignored": ("RUN.PREEMPT_FOR_BLOCKS",),
+    # (the spec logs the active limit's refusal under ADMIT.MAX_NUM_SEQS, its text naming max_num_active_seqs)
+    "active_seqs_ignored": ("ADMIT.MAX_NUM_ACTIVE_SEQS", "ADMIT.MAX_NUM_SEQS"),
+    "adaptive_floor_as_ceiling": ("BUDGET.LONG_PREFILL_ADAPTIVE", "BUDGET.LONG_PREFILL"),
+    "adaptive_counts_running_only": ("BUDGET.LONG_PREFILL_ADAPTIVE", "BUDGET.LONG_PREFILL"),
+    "skip_prefix_cache_ignored": ("CACHE.SKIP_READ", "CACHE.HIT"),  # (a hit the request must not have)
+    "client_time_ignored": ("QUEUE.PRIORITY",),
+    "victim_tie_by_arrival": ("PREEMPT.VICTIM_LOWEST_PRIORITY",),
+    "sprpt_ignores_outputs": ("QUEUE.SPRPT", "QUEUE.AGING"),
+    "sprpt_prediction_uncapped": ("QUEUE.SPRPT", "QUEUE.AGING"),
+    "swap_order_ignores_priority": ("SWAP.IN",),
+    "full_reserve_off_by_one": ("ADMIT.RESERVE_FULL",),
+    "running_ratio_ignores_eos": ("ESTIMATE.RUNNING_RATIO",),
+    "own_hit_unlocked": ("ESTIMATE.OWN_HIT_LOCKED",),
+    "vtc_pick_tie_last": ("VTC.PICK",),
+    "slo_feasible_off_by_one": ("SLO.FEASIBLE", "SLO.REFUSE"),  # (the refusal the feasibility test decides)
+    "slo_refuses_preempted": ("SLO.REFUSE", "SLO.DEFER"),
+    "finish_not_registered": ("CACHE.REGISTER_PREFILL_AND_FINISH",),
+    "stash_not_registered": ("CACHE.REGISTER_PREFILL_AND_FINISH",),
+    "cache_at_output_always": ("SPEC.CACHE_AT_OUTPUT",),
+    "step_scope_inclusive": ("BATCH.MAX_NUM_SEQS_PER_STEP",),
+    "chunk_only_first_inclusive": ("ADMIT.CHUNK_ONLY_FIRST",),
+    "ratio_not_reset_when_idle": ("ESTIMATE.RATIO",),
+    "recompute_victim_to_tail": ("QUEUE.VICTIM_TO_FRONT",),
 }
 
 
