@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from fuzz.diff import CRASH_KINDS
+from fuzz.diff import CRASH_KINDS, SPAN
 from fuzz.replay import ReplayResult
 from fuzz.shrink import Signature
 from spec.config import resolve
@@ -126,11 +126,17 @@ def knob_sensitivity(result: ReplayResult, engine: str | None) -> list[str]:
     out = []
     for knob in differing_knobs(result.trace.config):
         base = _profile_value(result.trace.config, knob)
+        other = dataclasses.replace(result.trace, config={**result.trace.config, knob: base})
         try:
-            again = replay(dataclasses.replace(result.trace, config={**result.trace.config, knob: base}), engine, result.level)
+            if result.divergence.kind == SPAN:  # (the steps agree: only the decode-span check tells)
+                from fuzz.sim_engine import span_divergence
+
+                agreed = span_divergence(other) is None
+            else:
+                agreed = replay(other, engine, result.level).agreed
         except Exception:  # the engine refuses the profile's value, or the spec does: no verdict
             continue
-        if again.agreed:
+        if agreed:
             out.append(knob)
     return out
 
@@ -200,6 +206,8 @@ def triage_report(result: ReplayResult, sig: Signature, name: str, provenance: s
     knob_section = "\n".join(knobs) or f"- none: every knob is profile `{result.trace.config.get('profile', 'vllm-v1')}`'s"
     command = (f"batchspec replay {trace_path or name + '.jsonl'} --engine {replay_engine_arg(engine or result.engine)} "
                f"--level {result.level}")
+    if div.kind == SPAN:  # the step-by-step replay agrees: the simulator's fast path is what differs
+        command = f"batchspec simulate {trace_path or name + '.jsonl'} --engine gpu --check-engine full --cost-model unit"
     checked = check_log(DecisionLog(result.engine, result.level, result.engine_records),
                         resolve(result.trace.config), result.trace)
     broken = "\n".join(f"- `{v.invariant}` at step {v.step}" + (f" ({v.request})" if v.request else "") + f": {v.evidence}"
@@ -215,7 +223,7 @@ Engine `{result.engine}`, compared at the `{result.level}` level. {provenance}
 Finding group: `{"` · `".join(sig)}` — every divergent trace whose shrunk divergence shows this cause counts here
 (`{name}.group.json`: how many, and the size of this example, the smallest so far).
 {chr(10) + lead + chr(10) if lead else ""}
-Replay it (exit 1 while the divergence is there, 0 once fixed):
+{_replay_intro(div)}
 
 ```bash
 {command}
@@ -249,6 +257,13 @@ Replay it (exit 1 while the divergence is there, 0 once fixed):
 {chr(10).join(__import__("json").dumps(r.to_json()) for r in result.trace.requests)}
 ```
 """
+
+
+def _replay_intro(div) -> str:
+    if div.kind == SPAN:
+        return ("gpu_engine's steps agree with the spec's on this trace; its simulator fast path (decode spans, "
+                "`simulate` / `sweep --engine gpu`) does not. Check it (exit 1 while they differ, 0 once fixed):")
+    return "Replay it (exit 1 while the divergence is there, 0 once fixed):"
 
 
 def _cause_lines(div, sig: Signature) -> str:

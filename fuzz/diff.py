@@ -32,6 +32,7 @@ from spec.formats import LEVEL_FIELDS, LEVELS, STATE_FIELDS, StepRecord, fields_
 DECISION = "decision"  # a field of one step record differs
 NON_TERMINATION = "non-termination"  # one side did not finish within max_steps
 ERROR = "error"  # one side raised while running the trace
+SPAN = "span"  # gpu_engine's simulator fast path (decode spans) differs from the steps it stands for
 
 _MEMORY_FIELDS = set(LEVEL_FIELDS["memory"]) | set(LEVEL_FIELDS["exact"])
 _EMPTY = {"blocks": {}, "cache_hits": {}, "block_ids": {}, "evicted": [], "num_evicted": 0}
@@ -75,6 +76,8 @@ class Divergence:
             head = f"non-termination at step {self.step}{who}: {self.field}"
         elif self.kind == ERROR:
             head = f"error at step {self.step}: {self.field}"
+        elif self.kind == SPAN:
+            head = f"decode-span divergence at step {self.step}, field `{self.field}`{who}"
         else:
             head = f"first divergence at step {self.step}, field `{self.field}`{who}"
         lines = [
@@ -82,7 +85,9 @@ class Divergence:
             f"  spec:   {_show(self.spec_value)}",
             f"  {self.engine + ':':7} {_show(self.engine_value)}",
         ]
-        if self.rule and self.kind in CRASH_KINDS:  # (the place the engine raised or hung, not a spec rule)
+        if self.kind == SPAN:
+            lines.append(f"  {self.reason}")
+        elif self.rule and self.kind in CRASH_KINDS:  # (the place the engine raised or hung, not a spec rule)
             lines.append(f"  where the engine {'hung' if self.kind == 'hang' else 'raised'}: {self.rule}")
         elif self.rule:
             lines.append(f"  spec's rule: {self.rule}" + (f" — {self.reason}" if self.reason else ""))
@@ -607,6 +612,8 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
         return "BUDGET.LONG_PREFILL"
     if hit_differs(spec, engine, request):  # admitted on both sides, with another prefix hit: all else follows
         return "CACHE.HIT"
+    if name in _BUDGETED and _earlier_hit_differs(spec, engine, request):  # (its blocks decided what came after)
+        return "CACHE.HIT"
     order = queue_order_cause(spec, engine, request) if name in _BUDGETED else None
     if order is not None:
         return order
@@ -645,6 +652,16 @@ def hit_differs(spec: StepRecord | None, engine: StepRecord | None, request: str
     if request not in list(spec.new) + list(spec.resumed) or request not in list(engine.new) + list(engine.resumed):
         return False
     return spec.cache_hits.get(request, 0) != engine.cache_hits.get(request, 0)
+
+
+def _earlier_hit_differs(spec: StepRecord, engine: StepRecord, request: str | None) -> bool:
+    """Whether a request admitted on both sides before ``request`` in the spec's batch of this step had
+    another prefix hit (:func:`hit_differs`): the blocks that hit took or left decided the admissions
+    after it (a request that must not read the cache but did, skip_prefix_cache)."""
+    order = [rid for rid, _ in spec.scheduled]
+    if request not in order:
+        return False
+    return any(hit_differs(spec, engine, rid) for rid in order[:order.index(request)])
 
 
 #: What :func:`queue_order_cause` names: the waiting queue's order, whose rule depends on the policy

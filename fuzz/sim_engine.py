@@ -482,25 +482,51 @@ def run_gpu(trace: Trace, config: SchedulerConfig, cost: CostModel, keep_records
     return simulate_fast(trace, cost, make_gpu_engine(trace, config), keep_records=keep_records, on_step=on_step)
 
 
-def first_difference(spec: SimResult, gpu: SimResult) -> str | None:
+@dataclasses.dataclass(frozen=True)
+class SimDifference:
+    """The first thing two simulations of one run disagree on: ``what`` (a request time or a
+    per-step series), the request or the step index it concerns, and both values."""
+
+    what: str
+    spec: object
+    gpu: object
+    request: str | None = None
+    index: int | None = None  # the simulated step (per-step series)
+
+    @property
+    def text(self) -> str:
+        if self.request is not None:
+            return f"request {self.request}: " + ", ".join(f"{k} spec {a} gpu {b}" for k, (a, b) in self.spec.items())
+        if self.index is not None:
+            return f"{self.what} differs first at index {self.index}: spec {self.spec}, gpu {self.gpu}"
+        return f"{self.what}: spec {self.spec}, gpu {self.gpu}"
+
+
+def difference(spec: SimResult, gpu: SimResult) -> SimDifference | None:
     """The first thing two simulations of one run disagree on (None: identical)."""
     for rid, t in spec.requests.items():
         other = gpu.requests.get(rid)
         if other is None or vars(t) != vars(other):
             diff = {k: (v, getattr(other, k, None)) for k, v in vars(t).items() if getattr(other, k, None) != v}
-            return f"request {rid}: " + ", ".join(f"{k} spec {a} gpu {b}" for k, (a, b) in diff.items())
+            first = next(iter(diff))
+            return SimDifference(first, diff, diff[first][1], request=rid)
     for name in ("step_ns", "step_end_ns", "in_system", "running", "used_blocks", "itl_ns"):
         a, b = getattr(spec, name), getattr(gpu, name)
         if a != b:
             j = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            return (f"{name} differs first at index {j}: spec {a[j] if j < len(a) else '(end)'}, "
-                    f"gpu {b[j] if j < len(b) else '(end)'}")
+            return SimDifference(name, a[j] if j < len(a) else "(end)", b[j] if j < len(b) else "(end)", index=j)
     for name in ("steps", "prefill_tokens", "decode_tokens"):
         if getattr(spec, name) != getattr(gpu, name):
-            return f"{name}: spec {getattr(spec, name)}, gpu {getattr(gpu, name)}"
+            return SimDifference(name, getattr(spec, name), getattr(gpu, name))
     if dict(spec.tenant_service) != dict(gpu.tenant_service):
-        return f"tenant_service: spec {dict(spec.tenant_service)}, gpu {dict(gpu.tenant_service)}"
+        return SimDifference("tenant_service", dict(spec.tenant_service), dict(gpu.tenant_service))
     return None
+
+
+def first_difference(spec: SimResult, gpu: SimResult) -> str | None:
+    """:func:`difference` as one line (None: identical)."""
+    found = difference(spec, gpu)
+    return None if found is None else found.text
 
 
 def check_run(trace: Trace, config: SchedulerConfig, cost: CostModel, requests: int | None = CHECK_REQUESTS,
@@ -522,3 +548,49 @@ def check_run(trace: Trace, config: SchedulerConfig, cost: CostModel, requests: 
         what = "the whole run" if window is trace else f"the first {len(window.requests)} requests"
         raise EngineMismatch(f"gpu_engine's decisions differ from the spec's on {what}: {why}")
     return spec.steps
+
+
+# --------------------------------------------------------------------------
+# The fast path under a fuzz campaign
+# --------------------------------------------------------------------------
+
+def span_divergence(trace: Trace):
+    """gpu_engine's simulator fast path (decode spans, bulk token synthesis, the per-process prompt
+    cache) on a fuzz trace, against the spec's simulation of it, one step per second of the ``unit``
+    cost model (arrival steps read as seconds): a :class:`fuzz.diff.Divergence` of kind ``span``
+    at the first difference, or None.
+
+    A lock-step replay drives gpu_engine one ``step()`` at a time and never takes this path; a bug
+    in it would reach ``simulate`` / ``sweep --engine gpu`` with no campaign to see it.  A trace the
+    spec cannot simulate (a stall, the step limit) has nothing to compare: None.  The finding
+    replays with ``batchspec simulate TRACE --engine gpu --check-engine full --cost-model unit``."""
+    from fuzz.diff import SPAN, Divergence
+    from fuzz.replay import raised_at
+    from fuzz.sweep import run_one, with_arrival_times
+    from spec.config import resolve
+    from spec.costmodel import preset
+
+    timed, cost = with_arrival_times(trace), preset("unit")
+    config = resolve(trace.config)
+    try:
+        spec = run_one(timed, config, cost)
+    except (StallError, StepLimitError):
+        return None
+    try:
+        gpu = run_gpu(timed, config, cost)
+    except Exception as e:  # noqa: BLE001 (the engine's crash on its fast path is the finding)
+        return Divergence(0, "error", None, raised_at(e), None, None,
+                          "gpu_engine raised on its decode-span path", SPAN, "gpu_engine")
+    found = difference(spec, gpu)
+    if found is None:
+        return None
+    return Divergence(_span_step(spec, found), found.what, found.spec, found.gpu, found.request, None,
+                      f"decode spans: {found.text}", SPAN, "gpu_engine")
+
+
+def _span_step(spec: SimResult, found: SimDifference) -> int:
+    """The step a simulated difference is at: one step per second, each ending a second after it starts."""
+    if found.index is not None and found.index < len(spec.step_end_ns):
+        return max(int(spec.step_end_ns[found.index] // NS_PER_S) - 1, 0)
+    times = [v for pair in (found.spec.values() if found.request else ()) for v in pair if isinstance(v, int)]
+    return max(min(times) // NS_PER_S - 1, 0) if times else 0
