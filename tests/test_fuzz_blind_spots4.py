@@ -102,3 +102,15 @@ def test_half_the_traces_free_to_be_priority_take_the_033_self_preemption_where_
     assert not any(_self_preempt_draw(gpu, f"0:{k}", {}, {"priority_self_preempt"}) for k in range(100))
     vllm = for_engine("vllm")
     assert not any(_self_preempt_draw(vllm, f"0:{k}", {}, set()) for k in range(100))
+
+
+def test_another_request_at_the_same_queue_place_names_the_order_even_when_one_side_admits_more():
+    """The spec resumed victim R second, the engine took C there and nothing after it (R's smaller
+    key was lost: sprpt_ignores_outputs): the queue's order, a preempted request's."""
+    spec = [StepRecord(9, scheduled=[("A", 4), ("R", 6), ("C", 3)], new=["A", "C"], resumed=["R"],
+                       reasons=[reason("ADMIT.NEW", "A"), reason("ADMIT.RESUMED", "R"), reason("ADMIT.NEW", "C")])]
+    eng = [StepRecord(9, scheduled=[("A", 4), ("C", 9)], new=["A", "C"])]
+    div = first_divergence(spec, eng, "decisions")
+    assert div.request == "R" and as_configured(div.rule, {"policy": "sprpt"}) == "QUEUE.SPRPT", div.describe()
+    longer = [StepRecord(9, scheduled=[("A", 4), ("R", 6), ("C", 3), ("D", 2)], new=["A", "C", "D"], resumed=["R"])]
+    assert first_divergence(spec, longer, "decisions").rule != "QUEUE.ORDER", "the same order, one more admitted"
