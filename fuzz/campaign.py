@@ -84,7 +84,10 @@ STEERING: dict[str, dict[str, Any]] = {
     "ADMIT.MAX_NUM_SEQS": {"max_num_seqs": 2},
     # a per-step limit binds where more requests run than it lets decode: small, and a prefill-first
     # batch (nano-vllm) admitting beside them (continuous batching's admission stops at the limit)
-    "BATCH.MAX_NUM_SEQS_PER_STEP": {"max_num_seqs": 2, "batching": "prefill-first"},
+    "BATCH.MAX_NUM_SEQS_PER_STEP": {"max_num_seqs_scope": "step", "max_num_seqs": 2, "batching": "prefill-first"},
+    # only a batch's first admission may be cut: the budget left decides who else fits whole, a small one often
+    "ADMIT.CHUNK_ONLY_FIRST": {"prefill_chunking": "first-continues", "batching": "prefill-first",
+                               "enable_chunked_prefill": True, "max_num_batched_tokens": 16},
     "ADMIT.FULL_SEQUENCE": {"tight_memory": True, "scheduler_reserve_full_isl": True},
     "BUDGET.LONG_PREFILL": {"long_prefill_token_threshold": 4},
     "QUEUE.PRIORITY": {"policy": "priority"},
