@@ -638,7 +638,7 @@ AT_FAULT: dict[str, tuple[str, ...]] = {
     "running_ratio_ignores_eos": ("ESTIMATE.RUNNING_RATIO",),
     "own_hit_unlocked": ("ESTIMATE.OWN_HIT_LOCKED",),
     "vtc_pick_tie_last": ("VTC.PICK",),
-    "slo_feasible_off_by_one": ("SLO.FEASIBLE", "SLO.REFUSE"),  # (the refusal the feasibility test decides)
+    "slo_feasible_off_by_one": ("SLO.FEASIBLE", "SLO.REFUSE", "SLO.DEFER"),  # (what the feasibility test decides)
     "slo_refuses_preempted": ("SLO.REFUSE", "SLO.DEFER"),
     "finish_not_registered": ("CACHE.REGISTER_PREFILL_AND_FINISH",),
     "stash_not_registered": ("CACHE.REGISTER_PREFILL_AND_FINISH",),

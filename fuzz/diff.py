@@ -695,6 +695,8 @@ def queue_order_cause(spec: StepRecord | None, engine: StepRecord | None, reques
     x, y = taken[0]
     if x in spec.swapped_in or y in engine.swapped_in:  # (resumed from the CPU: the swapped queue's order)
         return "SWAP.IN"
+    if any(r.get("rule") == "SLO.DEFER" and r.get("request") == y for r in spec.reasons or ()):
+        return "SLO.DEFER"  # (the engine took a request the spec deferred behind the rest in this very step)
     return QUEUE_ORDER_RESUMED if x in spec.resumed or y in engine.resumed else QUEUE_ORDER
 
 

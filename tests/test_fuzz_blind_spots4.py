@@ -114,3 +114,12 @@ def test_another_request_at_the_same_queue_place_names_the_order_even_when_one_s
     assert div.request == "R" and as_configured(div.rule, {"policy": "sprpt"}) == "QUEUE.SPRPT", div.describe()
     longer = [StepRecord(9, scheduled=[("A", 4), ("R", 6), ("C", 3), ("D", 2)], new=["A", "C", "D"], resumed=["R"])]
     assert first_divergence(spec, longer, "decisions").rule != "QUEUE.ORDER", "the same order, one more admitted"
+
+
+def test_a_request_the_spec_deferred_in_that_step_taken_by_the_engine_names_the_deferral():
+    """SLO admission control (defer) moved R0 behind R1 this step; the engine took R0 (its feasibility
+    test kept R0 in place: slo_feasible_off_by_one)."""
+    spec = [StepRecord(0, scheduled=[("R1", 1)], new=["R1"],
+                       reasons=[reason("SLO.DEFER", "R0", "deadline out of reach"), reason("ADMIT.NEW", "R1")])]
+    eng = [StepRecord(0, scheduled=[("R0", 11)], new=["R0"])]
+    assert first_divergence(spec, eng, "decisions").rule == "SLO.DEFER"
