@@ -387,7 +387,7 @@ def _run_task(task: Task, on_detect: OnDetect | None) -> Outcome:
 
 
 #: One trace in this many of a campaign against ``gpu`` also runs gpu_engine's simulator fast path
-#: (:func:`fuzz.sim_engine.span_divergence`: ~1.5x a replay's cost, so ~5 % of the campaign's time).
+#: (:func:`fuzz.sim_engine.span_divergence`: ~1.5x a replay's cost, so ~10 % of the campaign's time).
 SPAN_CHECK_EVERY = 16
 
 

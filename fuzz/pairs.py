@@ -408,6 +408,13 @@ INTERACTIONS: tuple[Interaction, ...] = (
                 _same_step(("STATE.PREEMPTED",), ("CACHE.EVICT_LRU",)),
                 {**_CACHING, "tight_memory": True},
                 {"enable_prefix_caching": (True,)}),
+    Interaction("stale output x preempted",
+                "under async scheduling a request preempted with its token still in flight: the token arrives, and "
+                "when it stops the request, the request finishes from the waiting queue (it leaves the queue)",
+                _same_request(("ASYNC.STALE_OUTPUT",), ("STOP.",)),
+                {**_PRESSURE, "async_scheduling": True, "preemption_mode": "recompute", "admission": "budget",
+                 "eos": True},
+                {"async_scheduling": (True,)}),
     Interaction("ignore_eos-reserve x running batch",
                 "SGLang's reserve admission of an ignore_eos request while others run: the simulation of every "
                 "request's remaining outputs (an ignore_eos one's unscaled, the rest's by the ratio) decides",
