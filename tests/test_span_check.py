@@ -9,16 +9,12 @@ import fuzz.campaign as campaign
 from fuzz.campaign import CampaignConfig, Task, checks_spans, run_campaign
 from fuzz.generate import random_trace
 from fuzz.sim_engine import span_divergence
-from gpu_engine.scheduler import Scheduler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import mutation_score as ms  # noqa: E402  (its planting mechanism: one line of one method changed)
 
 #: A planted bug in the fast path only: a span's requests end it holding one block too many.
-SPAN_BLOCKS = ms.Mutant("span_blocks_one_more", "-", "decode_span counts one block too many",
-                        lambda: ms.source_patch(Scheduler, "decode_span",
-                                                "self.num_blocks[s] = max(held[i], cdiv(ti + k - 1, bs))",
-                                                "self.num_blocks[s] = max(held[i], cdiv(ti + k, bs))"))
+SPAN_BLOCKS = next(m for m in ms.MUTANTS if m.name == "span_blocks_one_more")
 SEEDS = range(40)
 
 
