@@ -74,20 +74,12 @@ from spec.rules import HITS, all_rules
 #: Generator options that tend to exercise each family of rules.
 STEERING: dict[str, dict[str, Any]] = {
     "PREEMPT.": {"tight_memory": True},
-    # whether the walk goes on after a self-preemption is a priority knob (vLLM 0.33 goes on) that no
-    # profile sets with the priority policy: steered traces take it
-    "RUN.PREEMPT_FOR_BLOCKS": {"tight_memory": True, "policy": "priority", "priority_self_preempt": "continue"},
+    "RUN.PREEMPT_FOR_BLOCKS": {"tight_memory": True},
     "KV.": {"tight_memory": True},
     "CACHE.": {"prefix_groups": True, "enable_prefix_caching": True, "clones": True},
     "ADMIT.NO_CHUNKING": {"enable_chunked_prefill": False, "max_model_len": 64, "max_num_batched_tokens": 64},
     "ADMIT.WATERMARK": {"watermark": 0.1, "tight_memory": True},
     "ADMIT.MAX_NUM_SEQS": {"max_num_seqs": 2},
-    # a per-step limit binds where more requests run than it lets decode: small, and a prefill-first
-    # batch (nano-vllm) admitting beside them (continuous batching's admission stops at the limit)
-    "BATCH.MAX_NUM_SEQS_PER_STEP": {"max_num_seqs_scope": "step", "max_num_seqs": 2, "batching": "prefill-first"},
-    # only a batch's first admission may be cut: the budget left decides who else fits whole, a small one often
-    "ADMIT.CHUNK_ONLY_FIRST": {"prefill_chunking": "first-continues", "batching": "prefill-first",
-                               "enable_chunked_prefill": True, "max_num_batched_tokens": 16},
     "ADMIT.FULL_SEQUENCE": {"tight_memory": True, "scheduler_reserve_full_isl": True},
     "BUDGET.LONG_PREFILL": {"long_prefill_token_threshold": 4},
     "QUEUE.PRIORITY": {"policy": "priority"},
@@ -126,6 +118,16 @@ STEERING: dict[str, dict[str, Any]] = {
     # SGLang's eager eviction needs both: a retraction, and cached leaves to evict
     "CACHE.EVICT_ON_RETRACT": {"admission": "estimate", "tight_memory": True, "new_token_ratio_init": 0.2,
                                "new_token_ratio_decay_steps": 4, "prefix_groups": True},
+    # (entries below come last: the rotation, _all_targets, keeps the earlier targets' places)
+    # whether the walk goes on after a self-preemption is a priority knob (vLLM 0.33 goes on) that no
+    # profile sets with the priority policy: steered traces take it
+    "RUN.PREEMPT": {"tight_memory": True, "policy": "priority", "priority_self_preempt": "continue"},
+    # a per-step limit binds where more requests run than it lets decode: small, and a prefill-first
+    # batch (nano-vllm) admitting beside them (continuous batching's admission stops at the limit)
+    "BATCH.MAX_NUM_SEQS_PER_STEP": {"max_num_seqs_scope": "step", "max_num_seqs": 2, "batching": "prefill-first"},
+    # only a batch's first admission may be cut: the budget left decides who else fits whole, a small one often
+    "ADMIT.CHUNK_ONLY_FIRST": {"prefill_chunking": "first-continues", "batching": "prefill-first",
+                               "enable_chunked_prefill": True, "max_num_batched_tokens": 16},
 }
 
 MAX_STEPS = 3000  # random traces finish in a few hundred steps
