@@ -192,8 +192,10 @@ def run_one(trace: Trace, config: SchedulerConfig, cost: CostModel, keep_records
             return run_gpu(trace, config, cost, keep_records=keep_records, on_step=on_step)
         from spec.scheduler import SpecEngine
 
+        # (speculative decoding: BatchTracker reads the computed counts rejected drafts were rolled back to)
         engine = SpecEngine(config, trace.vocab_size, trace.eos_token_id, record_level="memory",
-                            record_reasons=False, prompt_cache=_PROMPT_CACHE)
+                            record_reasons=False, record_state=config.num_speculative_tokens > 0,
+                            prompt_cache=_PROMPT_CACHE)
         return simulate(trace, cost, engine, keep_records=keep_records, on_step=on_step)
 
 

@@ -180,6 +180,8 @@ class BatchTracker:
                     self.stale[rid] -= 1
                 elif flight[rid]:
                     flight[rid] -= 1
+        if record.computed and not asynchronous:  # speculative decoding: SPEC.ACCEPT, SPEC.ROLLBACK
+            self._verified(record)
         for rid, _ in record.finished:
             computed.pop(rid, None)
             flight.pop(rid, None)  # a token still in flight for it is dropped (ASYNC.ABORT_DROPS_OUTPUT)
@@ -187,6 +189,18 @@ class BatchTracker:
             computed.pop(rid, None)
             flight.pop(rid, None)
         return StepShape(prefill, decodes, kv), parts
+
+
+    def _verified(self, record: StepRecord) -> None:
+        """A verification appends ``1 + accepted`` outputs and rolls the rejected drafts back, which
+        ``sampled`` (one token a request) does not show: a request that sampled ends the step with
+        ``computed = prompt + outputs - 1`` (its newest token not computed), read from the record's
+        ``computed`` state field (the spec writes it when asked: SpecEngine(record_state=True))."""
+        for rid in record.sampled:
+            now = record.computed.get(rid)
+            if now is not None and now >= self.prompt_len[rid]:
+                self.computed[rid] = now
+                self.outputs[rid] = now - self.prompt_len[rid] + 1
 
 
 def output_time_ns(record: StepRecord, start_ns: int, end_ns: int) -> int:

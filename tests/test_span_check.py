@@ -62,3 +62,22 @@ def test_the_check_command_agrees_on_an_unplanted_trace(tmp_path, seed):
     path = tmp_path / "t.jsonl"
     write_trace(random_trace(seed, max_steps=2000), str(path))
     assert main(["simulate", str(path), "--engine", "gpu", "--check-engine", "full", "--cost-model", "unit"]) == 0
+
+
+def test_a_rolled_back_draft_is_simulated_alike_by_the_spec_and_gpu_engine():
+    """The span check's first real finding (``batchspec fuzz --seed 11``, trace 1504): the spec's
+    simulator counted a rejected draft as computed (its BatchTracker saw one sampled token, not the
+    rollback), so the decode after it was taken for a prefill, and its step cost more."""
+    from spec.formats import Trace, TraceRequest
+    from fuzz.sweep import run_one, with_arrival_times
+    from spec.config import resolve
+    from spec.costmodel import preset
+
+    trace = Trace(config={"profile": "vllm-v1", "block_size": 8, "enable_prefix_caching": False, "max_model_len": 7,
+                          "max_num_batched_tokens": 2, "max_num_seqs": 1, "num_speculative_tokens": 1,
+                          "spec_cache_at_output": True, "num_blocks": 2},
+                  requests=[TraceRequest(id="A", arrival_step=0, prompt_len=4, max_tokens=3, spec_accept_rate=0.3)])
+    assert span_divergence(trace) is None
+    sim = run_one(with_arrival_times(trace), resolve(trace.config), preset("unit"))
+    # steps: 2 prompt tokens, 2 more (it samples), a decode with its draft (2 tokens, rejected), a decode
+    assert (sim.prefill_tokens, sim.decode_tokens) == (6, 1)
