@@ -733,9 +733,10 @@ def field_rule(name: str, spec: StepRecord, engine: StepRecord, request: str | N
         return None if own in mine else own
     if name == "rejected" and spec.rejected and sorted(map(tuple, spec.rejected)) == sorted(map(tuple, engine.rejected)):
         return QUEUE_ORDER  # the same refusals in another order: a step lists its refusals in queue order
-    if name == "rejected" and not any(r.startswith(("REJECT.", "SLO.")) for r in mine):
+    if name == "rejected" and not any(r.startswith("REJECT.") for r in mine):
+        slo = [r for r in mine if r.startswith("SLO.")]  # the spec's own SLO admission decision (it deferred it)
         why = dict(engine.rejected).get(request)  # (SLO admission control's refusal: the feasibility test's)
-        return "SLO.FEASIBLE" if why == "slo_infeasible" else _REJECT_RULES.get(why)
+        return slo[0] if slo else "SLO.FEASIBLE" if why == "slo_infeasible" else _REJECT_RULES.get(why)
     return None
 
 

@@ -123,3 +123,19 @@ def test_a_request_the_spec_deferred_in_that_step_taken_by_the_engine_names_the_
                        reasons=[reason("SLO.DEFER", "R0", "deadline out of reach"), reason("ADMIT.NEW", "R1")])]
     eng = [StepRecord(0, scheduled=[("R0", 11)], new=["R0"])]
     assert first_divergence(spec, eng, "decisions").rule == "SLO.DEFER"
+
+
+def test_a_refusal_where_the_spec_deferred_names_the_deferral():
+    """slo_admission=refuse defers a request admitted once (preempted before its first token); the
+    engine refused it (slo_refuses_preempted): the grouping names SLO.DEFER, not '-'."""
+    from fuzz.corpus import group_signature
+    from fuzz.replay import ReplayResult
+    from spec.formats import Trace
+
+    spec = [StepRecord(6, scheduled=[("A", 1)], reasons=[reason("RUN.DECODE", "A"), reason("SLO.DEFER", "B")])]
+    eng = [StepRecord(6, scheduled=[("A", 1)], rejected=[("B", "slo_infeasible")])]
+    div = first_divergence(spec, eng, "decisions")
+    assert div.rule == "SLO.DEFER", div.describe()
+    result = ReplayResult(Trace(config={"policy": "edf", "slo_admission": "refuse"}, requests=[]), "gpu", "decisions",
+                          eng, spec, div)
+    assert group_signature(result)[2] == "SLO.DEFER"
