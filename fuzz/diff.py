@@ -622,6 +622,8 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
         return own
     if name == "scheduled":
         a, b = dict(spec.scheduled), dict(engine.scheduled)
+        if request in a and request not in b and _after_self_preemption(spec, request):
+            return "RUN.PREEMPT_FOR_BLOCKS"  # (the spec's walk went on past a self-preemption to it)
         if (request in a) != (request in b) and _walk_ended_early(spec, engine, request):
             # (after a request preempted itself, whether the walk goes on is the preemption rule's; a
             # spec walk that stopped at max_num_seqs scheduled says so in the request's own reason)
@@ -761,6 +763,19 @@ def _self_preempted(record: StepRecord) -> bool:
     """Whether a running request preempted itself in this step (the spec's ``RUN.PREEMPT_FOR_BLOCKS``
     reason, logged only then): the running walk then ends, or goes on (priority_self_preempt)."""
     return any(r.get("rule") == "RUN.PREEMPT_FOR_BLOCKS" for r in record.reasons or ())
+
+
+def _after_self_preemption(record: StepRecord, request: str) -> bool:
+    """Whether the spec's running walk reached ``request`` (its ``RUN.*`` reason) after a request
+    preempted itself in this step (``RUN.PREEMPT_FOR_BLOCKS``: under priority_self_preempt=continue)."""
+    seen = False
+    for r in record.reasons or ():
+        rule = str(r.get("rule", ""))
+        if rule == "RUN.PREEMPT_FOR_BLOCKS":
+            seen = True
+        elif seen and r.get("request") == request and rule.startswith(("RUN.DECODE", "RUN.PREFILL_CHUNK")):
+            return True
+    return False
 
 
 #: Fields whose value for a request is the tokens (or the admission) the step's budget left it.

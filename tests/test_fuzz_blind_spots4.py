@@ -139,3 +139,15 @@ def test_a_refusal_where_the_spec_deferred_names_the_deferral():
     result = ReplayResult(Trace(config={"policy": "edf", "slo_admission": "refuse"}, requests=[]), "gpu", "decisions",
                           eng, spec, div)
     assert group_signature(result)[2] == "SLO.DEFER"
+
+
+def test_a_request_the_spec_walk_reached_past_a_self_preemption_names_the_preemption_rule():
+    """The spec went on past R5's self-preemption to decode R8 and resumed R5 with what was left; the
+    engine stopped at R5 and resumed it with the whole budget (self_preempt_continue_ignored)."""
+    spec = [StepRecord(24, scheduled=[("R8", 5), ("R5", 11)], preempted=["R5"], resumed=["R5"],
+                       reasons=[reason("PREEMPT.VICTIM_LOWEST_PRIORITY", "R5"),
+                                reason("RUN.PREEMPT_FOR_BLOCKS", "R5", "preempted itself; continuing"),
+                                reason("RUN.DECODE", "R8"), reason("ADMIT.RESUMED", "R5")])]
+    eng = [StepRecord(24, scheduled=[("R5", 16)], preempted=["R5"], resumed=["R5"])]
+    div = first_divergence(spec, eng, "decisions")
+    assert (div.request, div.rule) == ("R8", "RUN.PREEMPT_FOR_BLOCKS"), div.describe()
