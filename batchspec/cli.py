@@ -470,7 +470,7 @@ def cmd_replay(args) -> int:
     for path in filter(None, inputs.values()):
         check_input_file(path)  # a FIFO or a directory is refused before the engine is built
     return replay_command(args.trace, args.engine, args.level, log_path=args.log, spec_log_path=args.spec_log,
-                          json_out=args.json, engine_log=args.engine_log)
+                          json_out=args.json, engine_log=args.engine_log, check_tokens=args.check_tokens)
 
 
 def cmd_conform(args) -> int:
@@ -592,6 +592,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--log", metavar="FILE", help="write the engine's decision log here")
     rp.add_argument("--spec-log", metavar="FILE", help="write the spec's decision log (with reasons) here")
     rp.add_argument("--json", action="store_true", help="print the verdict as JSON")
+    rp.add_argument("--check-tokens", action="store_true",
+                    help="with --engine gpu-model: also compare the tokens its model samples with the reference "
+                         "engine's (same weights, greedy, float64)")
     rp.set_defaults(fn=cmd_replay)
 
     tg = command("triage-engines", "two engines on one trace set: the traces they decide differently, the first "

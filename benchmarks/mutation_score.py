@@ -32,7 +32,7 @@ import gpu_engine.formulas as F  # noqa: E402
 from fuzz.campaign import MAX_STEPS, CampaignConfig, run_campaign  # noqa: E402
 from fuzz.generate import random_trace  # noqa: E402
 from fuzz.replay import replay  # noqa: E402
-from gpu_engine import xp  # noqa: E402
+from gpu_engine import attention, xp  # noqa: E402
 from gpu_engine.block_pool import BlockPool  # noqa: E402
 from gpu_engine.fairness import TenantCounters  # noqa: E402
 from gpu_engine.radix import RadixBlockPool  # noqa: E402
@@ -525,6 +525,13 @@ UNSEEN_PATH_MUTANTS = [
            "preempted still counts as waiting",
            _one_line(Scheduler, "apply_async", "self.num_waiting -= 1", "self.num_waiting -= 0"),
            "stale output x preempted"),
+    # the model path, which a scheduler-only campaign never runs (its model check does)
+    Mutant("attention_skips_self", "paged attention", "the causal mask hides each query's own position",
+           _one_line(attention, "paged_attention_torch",
+                     "causal = torch.arange(L, device=q.device)[None, :] > qpos[:, None]",
+                     "causal = torch.arange(L, device=q.device)[None, :] >= qpos[:, None]")),
+    Mutant("context_one_short", "paged attention", "a batch's context lengths leave out its newest token",
+           _one_line(GpuEngine, "_execute", "seq_lens = start + n", "seq_lens = start + n - 1")),
 ]
 
 MUTANTS = [
@@ -677,10 +684,12 @@ AT_FAULT: dict[str, tuple[str, ...]] = {
     "sample_index_ahead": ("SAMPLE.SCRIPTED",),
     "async_token_index_ahead": ("SAMPLE.SCRIPTED",),
     "draft_index_ahead": ("SAMPLE.SCRIPTED",),
-    # the spec has no decode spans: a span finding names gpu_engine's fast path and the quantity it
-    # gets wrong, no spec rule (left out of the naming figure)
+    # the spec has no decode spans and no model: a span finding names gpu_engine's fast path and the
+    # quantity it gets wrong, a tokens finding the token; no spec rule (left out of the naming figure)
     "span_blocks_one_more": (),
     "span_alloc_past_free": (),
+    "attention_skips_self": (),  # (the model's numerics: no spec rule either)
+    "context_one_short": (),
     "stale_finish_still_waiting": ("ASYNC.STALE_OUTPUT", "STOP.EOS", "STOP.STOP_TOKEN", "STOP.LENGTH"),
 }
 
@@ -735,7 +744,7 @@ def row(m: Mutant, r: dict) -> str:
     named = f"`{r['rule']}` ({'yes' if r['rule_ok'] else 'no: ' + ' / '.join(AT_FAULT.get(m.name, ('?',)))})" \
         if r.get("rule") else "-"
     if r.get("rule") and not AT_FAULT.get(m.name, True):
-        named = "n/a: gpu_engine's fast path, no spec rule"
+        named = "n/a: gpu_engine's fast path or model, no spec rule"
     label = f"`{m.name}` ({m.bug})" + (f" — *{m.interaction}*" if m.interaction else "")
     caught = "yes" if r["caught"] else "**no**" + (f" (masked: the engine's own bug {', '.join(r['masked'])})"
                                                    if r.get("masked") else "")

@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from fuzz.diff import CRASH_KINDS, SPAN
+from fuzz.diff import CRASH_KINDS, SPAN, TOKENS
 from fuzz.replay import ReplayResult
 from fuzz.shrink import Signature
 from spec.config import resolve
@@ -132,6 +132,10 @@ def knob_sensitivity(result: ReplayResult, engine: str | None) -> list[str]:
                 from fuzz.sim_engine import span_divergence
 
                 agreed = span_divergence(other) is None
+            elif result.divergence.kind == TOKENS:  # (the decisions agree: only the model check tells)
+                from fuzz.engines import token_divergence
+
+                agreed = token_divergence(other) is None
             else:
                 agreed = replay(other, engine, result.level).agreed
         except Exception:  # the engine refuses the profile's value, or the spec does: no verdict
@@ -208,6 +212,8 @@ def triage_report(result: ReplayResult, sig: Signature, name: str, provenance: s
                f"--level {result.level}")
     if div.kind == SPAN:  # the step-by-step replay agrees: the simulator's fast path is what differs
         command = f"batchspec simulate {trace_path or name + '.jsonl'} --engine gpu --check-engine full --cost-model unit"
+    elif div.kind == TOKENS:  # the decisions agree: the model's tokens are what differs
+        command = f"batchspec replay {trace_path or name + '.jsonl'} --engine gpu-model --check-tokens"
     checked = check_log(DecisionLog(result.engine, result.level, result.engine_records),
                         resolve(result.trace.config), result.trace)
     broken = "\n".join(f"- `{v.invariant}` at step {v.step}" + (f" ({v.request})" if v.request else "") + f": {v.evidence}"
@@ -263,6 +269,9 @@ def _replay_intro(div) -> str:
     if div.kind == SPAN:
         return ("gpu_engine's steps agree with the spec's on this trace; its simulator fast path (decode spans, "
                 "`simulate` / `sweep --engine gpu`) does not. Check it (exit 1 while they differ, 0 once fixed):")
+    if div.kind == TOKENS:
+        return ("gpu_engine's decisions agree with the spec's on this trace; the tokens its model samples do not equal "
+                "the reference engine's (same weights, greedy). Check it (exit 1 while they differ, 0 once fixed):")
     return "Replay it (exit 1 while the divergence is there, 0 once fixed):"
 
 

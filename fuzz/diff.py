@@ -33,6 +33,7 @@ DECISION = "decision"  # a field of one step record differs
 NON_TERMINATION = "non-termination"  # one side did not finish within max_steps
 ERROR = "error"  # one side raised while running the trace
 SPAN = "span"  # gpu_engine's simulator fast path (decode spans) differs from the steps it stands for
+TOKENS = "tokens"  # gpu_engine's model samples another token than the reference engine (same weights)
 
 _MEMORY_FIELDS = set(LEVEL_FIELDS["memory"]) | set(LEVEL_FIELDS["exact"])
 _EMPTY = {"blocks": {}, "cache_hits": {}, "block_ids": {}, "evicted": [], "num_evicted": 0}
@@ -78,6 +79,8 @@ class Divergence:
             head = f"error at step {self.step}: {self.field}"
         elif self.kind == SPAN:
             head = f"decode-span divergence at step {self.step}, field `{self.field}`{who}"
+        elif self.kind == TOKENS:
+            head = f"token divergence at step {self.step}{who}"
         else:
             head = f"first divergence at step {self.step}, field `{self.field}`{who}"
         lines = [
@@ -85,7 +88,7 @@ class Divergence:
             f"  spec:   {_show(self.spec_value)}",
             f"  {self.engine + ':':7} {_show(self.engine_value)}",
         ]
-        if self.kind == SPAN:
+        if self.kind in (SPAN, TOKENS):
             lines.append(f"  {self.reason}")
         elif self.rule and self.kind in CRASH_KINDS:  # (the place the engine raised or hung, not a spec rule)
             lines.append(f"  where the engine {'hung' if self.kind == 'hang' else 'raised'}: {self.rule}")

@@ -35,6 +35,58 @@ def _reference(trace: Trace) -> Engine:
     return ReferenceEngine.from_trace(trace, level="memory")
 
 
+def token_divergence(trace: Trace):
+    """gpu_engine running its model (the tiny Llama, seed 0, in float64 so that no near-tie of two
+    logits can flip a greedy pick) against the reference engine (the spec's decisions, the same
+    weights computed naively: dense attention over each request's own contiguous KV): the first
+    token they sample differently, as a :class:`fuzz.diff.Divergence` of kind ``tokens``, or None.
+    None too when gpu_engine's model mode refuses the configuration (async scheduling, drafts).
+
+    A scheduler-only campaign never runs the model; its paged attention, KV writes and batch
+    flattening are checked here (DESIGN: same weights and greedy decoding, the same tokens)."""
+    import torch
+
+    from fuzz.diff import TOKENS, Divergence
+    from fuzz.replay import raised_at
+    from gpu_engine.engine import GpuEngine
+    from reference.engine import ReferenceEngine
+    from spec.config import resolve
+    from spec.protocol import drive
+
+    limit = resolve(trace.config).max_steps
+    try:
+        engine = GpuEngine.from_trace(trace, model="tiny", level="memory", dtype=torch.float64)
+    except ValueError:  # a configuration its model mode does not implement
+        return None
+    try:
+        reference = drive(ReferenceEngine.from_trace(trace, level="memory"), trace, limit)
+    except Exception:  # noqa: BLE001 (the spec's decisions cannot run it: nothing to compare)
+        return None
+    try:
+        mine = drive(engine, trace, limit)
+    except Exception as e:  # noqa: BLE001 (its crash with the model running is the finding)
+        return Divergence(0, "error", None, raised_at(e), None, None, "gpu_engine raised with its model running",
+                          TOKENS, "gpu_engine")
+    want = _token_steps(reference)
+    wrong = [(step, rid, i, got, ref) for rid, steps in _token_steps(mine).items()
+             for i, ((step, got), (_, ref)) in enumerate(zip(steps, want.get(rid, []))) if got != ref]
+    if not wrong:
+        return None
+    step, rid, i, got, ref = min(wrong)  # (each request's first is enough: the earliest step of all)
+    return Divergence(step, "sampled", {rid: ref}, {rid: got}, rid, None,
+                      f"output {i} of {rid}: the reference engine (same weights, dense attention) samples {ref}, "
+                      f"gpu_engine's model {got}", TOKENS, "gpu_engine")
+
+
+def _token_steps(records) -> dict[str, list[tuple[int, int]]]:
+    """Each request's sampled tokens with the step of each, in order."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for rec in records:
+        for rid, token in rec.sampled.items():
+            out.setdefault(rid, []).append((rec.step, token))
+    return out
+
+
 register_engine("gpu", _gpu, "gpu_engine, scheduler-only (synthesized tokens): the fuzzing target")
 register_engine("gpu-model", _gpu_model, "gpu_engine with the tiny Llama through paged attention")
 register_engine("reference", _reference, "reference engine: the spec's decisions + a naive PyTorch model")

@@ -38,6 +38,7 @@ import operator
 import sys
 import time
 import traceback
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -456,7 +457,7 @@ def replay_records(trace: Trace, engine_records: list[StepRecord], level: str = 
 
 def replay_command(trace_path: str, engine: str = "vllm", level: str = "exact",
                    log_path: str | None = None, spec_log_path: str | None = None, json_out: bool = False,
-                   engine_log: str | None = None) -> int:
+                   engine_log: str | None = None, check_tokens: bool = False) -> int:
     """``batchspec replay TRACE --engine NAME --level L``: print the verdict.
 
     Exit status: 0 the spec and the engine agree, 1 they diverge (a crash inside a
@@ -484,6 +485,13 @@ def replay_command(trace_path: str, engine: str = "vllm", level: str = "exact",
             result = replay_records(trace, log.records, level, engine=log.engine, after=after)
         else:
             result = replay(trace, engine, level, after=after)
+        if check_tokens and result.agreed:  # gpu_engine's model against the reference engine
+            if engine != "gpu-model":
+                raise EngineUnavailable("--check-tokens compares gpu_engine's model with the reference engine: "
+                                        "use it with --engine gpu-model")
+            from fuzz.engines import token_divergence
+
+            result = dataclasses.replace(result, divergence=token_divergence(trace))
     except (FormatError, ConfigError, LevelError, EngineUnavailable, EngineConfigError) as e:
         err.print(f"[red]error:[/] {e}", highlight=False)
         return 2

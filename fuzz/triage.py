@@ -523,7 +523,7 @@ def classify(result, engine: str) -> dict[str, Any]:
     """The automatic triage of a finding (``by: auto``, ``status: candidate``): see the classes above.
 
     ``result`` is the replay of the finding's trace (:class:`fuzz.replay.ReplayResult`)."""
-    from fuzz.diff import ERROR, SPAN
+    from fuzz.diff import ERROR, SPAN, TOKENS
 
     div = result.divergence
     out: dict[str, Any] = {"class": UNTRIAGED, "status": "candidate", "by": "auto", "why": "", "knob": None,
@@ -536,6 +536,9 @@ def classify(result, engine: str) -> dict[str, Any]:
         what = {ERROR: "the engine raised", HANG: "the engine hung", CRASH: "the engine's process died",
                 LIVELOCK: "the engine livelocks"}[div.kind]
         return {**out, "class": ENGINE_BUG, "why": f"{what} at step {div.step}: {div.engine_value}"}
+    if div.kind == TOKENS:  # its decisions agree with the spec: its model's numerics differ
+        return {**out, "class": ENGINE_BUG, "why": f"gpu_engine's model samples another token than the reference "
+                                                   f"engine at step {div.step}: {div.reason}"}
     if div.kind == SPAN:  # its steps agree with the spec: only its closed form of them differs
         return {**out, "class": ENGINE_BUG, "why": f"gpu_engine's decode spans differ from its own steps at step {div.step}: "
                                                    f"{div.reason}"}
