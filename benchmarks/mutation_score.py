@@ -525,6 +525,10 @@ UNSEEN_PATH_MUTANTS = [
            "preempted still counts as waiting",
            _one_line(Scheduler, "apply_async", "self.num_waiting -= 1", "self.num_waiting -= 0"),
            "stale output x preempted"),
+    Mutant("vtc_grown_tenant_waiting", "VTC", "tenants beyond the counters' first room start with one waiting "
+           "request counted",
+           _one_line(TenantCounters, "tenant", "self.waiting = np.concatenate([self.waiting, np.zeros(grow, dtype=np.int64)])",
+                     "self.waiting = np.concatenate([self.waiting, np.ones(grow, dtype=np.int64)])")),
     # the model path, which a scheduler-only campaign never runs (its model check does)
     Mutant("attention_skips_self", "paged attention", "the causal mask hides each query's own position",
            _one_line(attention, "paged_attention_torch",
@@ -688,6 +692,7 @@ AT_FAULT: dict[str, tuple[str, ...]] = {
     # quantity it gets wrong, a tokens finding the token; no spec rule (left out of the naming figure)
     "span_blocks_one_more": (),
     "span_alloc_past_free": (),
+    "vtc_grown_tenant_waiting": ("VTC.LIFT", "VTC.PICK"),
     "attention_skips_self": (),  # (the model's numerics: no spec rule either)
     "context_one_short": (),
     "stale_finish_still_waiting": ("ASYNC.STALE_OUTPUT", "STOP.EOS", "STOP.STOP_TOKEN", "STOP.LENGTH"),
