@@ -24,6 +24,7 @@ import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -708,6 +709,15 @@ def engine_bug(finding: dict) -> bool:
         return not replay(trace, "gpu", "exact").agreed
     except Exception:  # (an engine that raises on the trace unmutated: the same)
         return True
+
+
+def first_reports(mutant: Mutant, corpus: str, seconds: float = 60.0, seed: int = 0) -> dict[str, str]:
+    """One campaign against the planted mutant, saving into ``corpus`` and ending at its first finding:
+    each finding's name and its Markdown report (what a user reads)."""
+    with planted(mutant):
+        state = run_campaign(CampaignConfig(seed=seed, engine="gpu", level="exact", seconds=seconds, workers=1,
+                                            corpus=corpus, timeout=60, stop_on_finding=True))
+    return {name: (Path(corpus) / f"{name}.md").read_text() for name in state.findings}
 
 
 def score(mutant: Mutant, seconds: float, seed: int, stop_on_finding: bool = False) -> dict:
