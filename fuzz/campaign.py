@@ -65,7 +65,7 @@ from spec.io import OptionError
 from fuzz.generate import profile_knobs, random_trace
 from fuzz.pairs import BY_NAME as INTERACTION_BY_NAME, reachable_interactions, trace_pairs
 import fuzz.engines  # noqa: F401  (registers gpu, gpu-model, reference)
-from fuzz.replay import EngineConfigError, ReplayResult, replay
+from fuzz.replay import EngineConfigError, ReplayResult, replay, with_off_replay_check
 from fuzz.shrink import shrink, signature
 from spec.config import PROFILES, resolve
 from spec.formats import Trace
@@ -343,11 +343,11 @@ def _run_task(task: Task, on_detect: OnDetect | None) -> Outcome:
     except EngineConfigError as e:  # the engine's own validation refuses a drawn configuration: not run
         return Outcome(task.index, task.seed, task.options, outside=f"the engine refuses it: {e}")
     if result.agreed and checks_spans(task):
-        result = with_span_check(result)
-    if result.agreed and checks_model(task):
-        small = model_check_trace(trace)
-        checked = task_replay(task, small) if small is not None else result
-        checked = with_model_check(checked) if checked.agreed and small is not None else checked
+        result = with_off_replay_check(result, SPAN)
+    small = model_check_trace(trace) if result.agreed and checks_model(task) else None
+    if small is not None:
+        checked = task_replay(task, small)
+        checked = with_off_replay_check(checked, TOKENS) if checked.agreed else checked
         if not checked.agreed:  # (the finding is the smaller trace's: shrinking starts there)
             trace, result = small, checked
     rules = sorted(HITS)
@@ -373,10 +373,8 @@ def _run_task(task: Task, on_detect: OnDetect | None) -> Outcome:
                 return False
             r = task_replay(task, dataclasses.replace(t, config={**t.config, "max_steps": limit}), shrinking=True,
                             livelocks=sig[0] == "livelock")
-            if sig[0] == SPAN:  # the steps agree, their fast path does not
-                return r.agreed and not with_span_check(r).agreed
-            if sig[0] == TOKENS:  # the decisions agree, the model's tokens do not
-                return r.agreed and not with_model_check(r).agreed
+            if sig[0] in (SPAN, TOKENS):  # the replay agrees; the fast path, or the model's tokens, do not
+                return r.agreed and not with_off_replay_check(r, sig[0]).agreed
             if r.agreed:
                 return False
             if sig[0] in ("error", "hang") and sig[2] != "-":
@@ -385,10 +383,8 @@ def _run_task(task: Task, on_detect: OnDetect | None) -> Outcome:
 
         small, out.shrink_tries = shrink(trace, same, seconds=SHRINK_SECONDS, max_tries=task.shrink_tries)
         out.shrunk = task_replay(task, small, after=REPORT_CONTEXT, livelocks=sig[0] == "livelock")
-        if sig[0] == SPAN:
-            out.shrunk = with_span_check(out.shrunk)
-        elif sig[0] == TOKENS:
-            out.shrunk = with_model_check(out.shrunk)
+        if sig[0] in (SPAN, TOKENS):
+            out.shrunk = with_off_replay_check(out.shrunk, sig[0])
         if not out.shrunk.agreed:
             from fuzz.corpus import group_signature
 
@@ -406,14 +402,6 @@ SPAN_CHECK_EVERY = 16
 def checks_spans(task: Task) -> bool:
     """Whether this trace also checks gpu_engine's decode spans against the spec's steps."""
     return task.engine == "gpu" and task.index % SPAN_CHECK_EVERY == 0
-
-
-def with_span_check(result: ReplayResult) -> ReplayResult:
-    """``result`` (a replay that agreed), with the decode-span check's divergence if it finds one."""
-    from fuzz.sim_engine import span_divergence
-
-    found = span_divergence(result.trace)
-    return result if found is None else dataclasses.replace(result, divergence=found)
 
 
 #: One trace in this many of a campaign against ``gpu`` also runs gpu_engine's model against the
@@ -439,13 +427,6 @@ def model_check_trace(trace: Trace) -> Trace | None:
         keep.append(r)
     return dataclasses.replace(trace, requests=keep) if keep else None
 
-
-def with_model_check(result: ReplayResult) -> ReplayResult:
-    """``result`` (a replay that agreed), with the model check's divergence if it finds one."""
-    from fuzz.engines import token_divergence
-
-    found = token_divergence(result.trace)
-    return result if found is None else dataclasses.replace(result, divergence=found)
 
 
 #: Built-in engines: the spec's own decisions re-implemented (a stall they share with the spec is the

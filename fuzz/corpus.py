@@ -119,7 +119,7 @@ def differing_knobs(trace_config: dict[str, Any]) -> dict[str, Any]:
 def knob_sensitivity(result: ReplayResult, engine: str | None) -> list[str]:
     """The knobs that differ from the profile and without which the divergence goes away:
     the trace is replayed once per knob, that knob set back to the profile's value."""
-    from fuzz.replay import replay
+    from fuzz.replay import off_replay_divergence, replay
 
     if not engine or result.divergence is None:
         return []
@@ -127,15 +127,10 @@ def knob_sensitivity(result: ReplayResult, engine: str | None) -> list[str]:
     for knob in differing_knobs(result.trace.config):
         base = _profile_value(result.trace.config, knob)
         other = dataclasses.replace(result.trace, config={**result.trace.config, knob: base})
+        kind = result.divergence.kind
         try:
-            if result.divergence.kind == SPAN:  # (the steps agree: only the decode-span check tells)
-                from fuzz.sim_engine import span_divergence
-
-                agreed = span_divergence(other) is None
-            elif result.divergence.kind == TOKENS:  # (the decisions agree: only the model check tells)
-                from fuzz.engines import token_divergence
-
-                agreed = token_divergence(other) is None
+            if kind in _OFF_REPLAY:  # (the replay agrees on it: only its own check tells)
+                agreed = off_replay_divergence(kind, other) is None
             else:
                 agreed = replay(other, engine, result.level).agreed
         except Exception:  # the engine refuses the profile's value, or the spec does: no verdict
@@ -210,10 +205,8 @@ def triage_report(result: ReplayResult, sig: Signature, name: str, provenance: s
     knob_section = "\n".join(knobs) or f"- none: every knob is profile `{result.trace.config.get('profile', 'vllm-v1')}`'s"
     command = (f"batchspec replay {trace_path or name + '.jsonl'} --engine {replay_engine_arg(engine or result.engine)} "
                f"--level {result.level}")
-    if div.kind == SPAN:  # the step-by-step replay agrees: the simulator's fast path is what differs
-        command = f"batchspec simulate {trace_path or name + '.jsonl'} --engine gpu --check-engine full --cost-model unit"
-    elif div.kind == TOKENS:  # the decisions agree: the model's tokens are what differs
-        command = f"batchspec replay {trace_path or name + '.jsonl'} --engine gpu-model --check-tokens"
+    if div.kind in _OFF_REPLAY:  # the replay agrees: the command of the check that differs
+        command = _OFF_REPLAY[div.kind][1].format(trace=trace_path or name + ".jsonl")
     checked = check_log(DecisionLog(result.engine, result.level, result.engine_records),
                         resolve(result.trace.config), result.trace)
     broken = "\n".join(f"- `{v.invariant}` at step {v.step}" + (f" ({v.request})" if v.request else "") + f": {v.evidence}"
@@ -229,7 +222,7 @@ Engine `{result.engine}`, compared at the `{result.level}` level. {provenance}
 Finding group: `{"` · `".join(sig)}` — every divergent trace whose shrunk divergence shows this cause counts here
 (`{name}.group.json`: how many, and the size of this example, the smallest so far).
 {chr(10) + lead + chr(10) if lead else ""}
-{_replay_intro(div)}
+{_OFF_REPLAY[div.kind][0] if div.kind in _OFF_REPLAY else "Replay it (exit 1 while the divergence is there, 0 once fixed):"}
 
 ```bash
 {command}
@@ -265,14 +258,16 @@ Finding group: `{"` · `".join(sig)}` — every divergent trace whose shrunk div
 """
 
 
-def _replay_intro(div) -> str:
-    if div.kind == SPAN:
-        return ("gpu_engine's steps agree with the spec's on this trace; its simulator fast path (decode spans, "
-                "`simulate` / `sweep --engine gpu`) does not. Check it (exit 1 while they differ, 0 once fixed):")
-    if div.kind == TOKENS:
-        return ("gpu_engine's decisions agree with the spec's on this trace; the tokens its model samples do not equal "
-                "the reference engine's (same weights, greedy). Check it (exit 1 while they differ, 0 once fixed):")
-    return "Replay it (exit 1 while the divergence is there, 0 once fixed):"
+#: A finding the lock-step replay agrees on (fuzz.replay.off_replay_divergence): what its report says
+#: instead of "replay it", and the command that shows the difference.
+_OFF_REPLAY = {
+    SPAN: ("gpu_engine's steps agree with the spec's on this trace; its simulator fast path (decode spans, "
+           "`simulate` / `sweep --engine gpu`) does not. Check it (exit 1 while they differ, 0 once fixed):",
+           "batchspec simulate {trace} --engine gpu --check-engine full --cost-model unit"),
+    TOKENS: ("gpu_engine's decisions agree with the spec's on this trace; the tokens its model samples do not equal "
+             "the reference engine's (same weights, greedy). Check it (exit 1 while they differ, 0 once fixed):",
+             "batchspec replay {trace} --engine gpu-model --check-tokens"),
+}
 
 
 def _cause_lines(div, sig: Signature) -> str:

@@ -42,7 +42,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
-from fuzz.diff import ERROR, NON_TERMINATION, Divergence, as_configured, first_divergence
+from fuzz.diff import ERROR, NON_TERMINATION, SPAN, TOKENS, Divergence, as_configured, first_divergence
 from spec.config import resolve
 from spec.formats import LEVELS, StepRecord, Trace, TraceRequest, fields_at
 from spec.protocol import Engine, arrival_order
@@ -455,6 +455,28 @@ def replay_records(trace: Trace, engine_records: list[StepRecord], level: str = 
     return _lock_step(trace, RecordedSide(engine_records, max_steps), engine, level, t0, after)
 
 
+def off_replay_divergence(kind: str, trace: Trace) -> Divergence | None:
+    """The check behind a finding of ``kind`` that a lock-step replay cannot make (it agrees on such a
+    trace): gpu_engine's decode spans against the spec's simulation (``span``,
+    :func:`fuzz.sim_engine.span_divergence`), or its model's tokens against the reference engine's
+    (``tokens``, :func:`fuzz.engines.token_divergence`)."""
+    if kind == SPAN:
+        from fuzz.sim_engine import span_divergence
+
+        return span_divergence(trace)
+    if kind == TOKENS:
+        from fuzz.engines import token_divergence
+
+        return token_divergence(trace)
+    raise ValueError(f"no check outside the replay for findings of kind {kind!r}")
+
+
+def with_off_replay_check(result: ReplayResult, kind: str) -> ReplayResult:
+    """``result`` (a replay that agreed), with the divergence of the ``kind`` check if it finds one."""
+    found = off_replay_divergence(kind, result.trace)
+    return result if found is None else dataclasses.replace(result, divergence=found)
+
+
 def replay_command(trace_path: str, engine: str = "vllm", level: str = "exact",
                    log_path: str | None = None, spec_log_path: str | None = None, json_out: bool = False,
                    engine_log: str | None = None, check_tokens: bool = False) -> int:
@@ -477,6 +499,10 @@ def replay_command(trace_path: str, engine: str = "vllm", level: str = "exact",
     from spec.io import FormatError, load_log, load_trace, write_log
 
     out, err = Console(), Console(stderr=True, soft_wrap=True)  # an error stays one line
+    if check_tokens and engine != "gpu-model":  # (refused before any work)
+        err.print("[red]error:[/] --check-tokens compares gpu_engine's model with the reference engine: "
+                  "use it with --engine gpu-model", highlight=False)
+        return 2
     try:
         trace = load_trace(trace_path, steps=True)
         after = None if (log_path or spec_log_path) else 0  # a log asked for is written whole
@@ -486,12 +512,7 @@ def replay_command(trace_path: str, engine: str = "vllm", level: str = "exact",
         else:
             result = replay(trace, engine, level, after=after)
         if check_tokens and result.agreed:  # gpu_engine's model against the reference engine
-            if engine != "gpu-model":
-                raise EngineUnavailable("--check-tokens compares gpu_engine's model with the reference engine: "
-                                        "use it with --engine gpu-model")
-            from fuzz.engines import token_divergence
-
-            result = dataclasses.replace(result, divergence=token_divergence(trace))
+            result = with_off_replay_check(result, TOKENS)
     except (FormatError, ConfigError, LevelError, EngineUnavailable, EngineConfigError) as e:
         err.print(f"[red]error:[/] {e}", highlight=False)
         return 2
