@@ -492,11 +492,12 @@ class SimDifference:
     gpu: object
     request: str | None = None
     index: int | None = None  # the simulated step (per-step series)
+    fields: dict | None = None  # a request's: every time that differs, name -> (spec, gpu)
 
     @property
     def text(self) -> str:
         if self.request is not None:
-            return f"request {self.request}: " + ", ".join(f"{k} spec {a} gpu {b}" for k, (a, b) in self.spec.items())
+            return f"request {self.request}: " + ", ".join(f"{k} spec {a} gpu {b}" for k, (a, b) in self.fields.items())
         if self.index is not None:
             return f"{self.what} differs first at index {self.index}: spec {self.spec}, gpu {self.gpu}"
         return f"{self.what}: spec {self.spec}, gpu {self.gpu}"
@@ -509,7 +510,7 @@ def difference(spec: SimResult, gpu: SimResult) -> SimDifference | None:
         if other is None or vars(t) != vars(other):
             diff = {k: (v, getattr(other, k, None)) for k, v in vars(t).items() if getattr(other, k, None) != v}
             first = next(iter(diff))
-            return SimDifference(first, diff, diff[first][1], request=rid)
+            return SimDifference(first, *diff[first], request=rid, fields=diff)
     for name in ("step_ns", "step_end_ns", "in_system", "running", "used_blocks", "itl_ns"):
         a, b = getattr(spec, name), getattr(gpu, name)
         if a != b:
@@ -589,8 +590,9 @@ def span_divergence(trace: Trace):
 
 
 def _span_step(spec: SimResult, found: SimDifference) -> int:
-    """The step a simulated difference is at: one step per second, each ending a second after it starts."""
+    """The step a simulated difference is at: one step per second, each ending a second after it starts
+    (for a request, its earliest differing time; its other fields, such as a preemption count, are no time)."""
     if found.index is not None and found.index < len(spec.step_end_ns):
         return max(int(spec.step_end_ns[found.index] // NS_PER_S) - 1, 0)
-    times = [v for pair in (found.spec.values() if found.request else ()) for v in pair if isinstance(v, int)]
+    times = [v for name, pair in (found.fields or {}).items() if name.endswith("_ns") for v in pair if isinstance(v, int)]
     return max(min(times) // NS_PER_S - 1, 0) if times else 0
