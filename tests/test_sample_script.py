@@ -1,6 +1,8 @@
 """Token values: SAMPLE.SCRIPTED (a scheduler-only engine samples the trace's script, compared by the
 replay) and SAMPLE.MIN_TOKENS_MASKED (no stop token among the first min_tokens outputs, on any log)."""
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +15,9 @@ from spec.config import resolve
 from spec.formats import DEFAULT_EOS_TOKEN_ID, DecisionLog, Trace, TraceRequest
 from spec.scheduler import run
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import mutation_score as ms  # noqa: E402  (its planting mechanism: one line of one method changed)
+
 CONFIG = {"profile": "vllm-v1", "num_blocks": 64, "block_size": 4, "max_num_batched_tokens": 64}
 
 
@@ -21,14 +26,8 @@ def _trace(**request) -> Trace:
     return Trace(config=dict(CONFIG), requests=[TraceRequest(**fields), TraceRequest(id="B", arrival_step=1, prompt_len=5, max_tokens=6)])
 
 
-class IndexAheadSampler(GpuEngine):
-    """A planted sampler bug: each request samples the token of its *next* output index."""
-
-    def _synthesize(self, batch):
-        s = self.sched
-        smp = batch.slots if batch.all_sample else batch.slots[batch.samples]
-        return s.be.asarray([s.sources[i].output_token(k + 1, self.vocab_size, self.eos_token_id)
-                             for i, k in zip(smp.tolist(), s.num_output_tokens[smp].tolist())])
+#: The planted sampler bug of the mutation score: each request samples the token of its *next* output index.
+INDEX_AHEAD = next(m for m in ms.MUTANTS if m.name == "sample_index_ahead")
 
 
 def test_gpu_engine_declares_that_it_samples_the_script_only_without_a_model():
@@ -45,7 +44,8 @@ def test_the_correct_engine_agrees_token_for_token(seed):
 
 def test_a_sampler_that_reads_the_wrong_output_index_is_named_at_its_first_token():
     trace = _trace()
-    result = replay(trace, IndexAheadSampler.from_trace(trace), "exact")
+    with ms.planted(INDEX_AHEAD):
+        result = replay(trace, "gpu", "exact")
     d = result.divergence
     assert d is not None and d.rule == "SAMPLE.SCRIPTED" and d.field == "sampled"
     assert d.step == 0 and d.request == "A"  # its prompt fits the budget: it samples output 0 in step 0
@@ -56,9 +56,10 @@ def test_a_sampler_that_reads_the_wrong_output_index_is_named_at_its_first_token
 def test_the_same_bug_is_invisible_when_the_spec_takes_the_engines_tokens():
     # what the replay did before SAMPLE.SCRIPTED, and still does for an engine running a model
     trace = _trace()
-    engine = IndexAheadSampler.from_trace(trace)
-    engine.samples_script = False
-    assert replay(trace, engine, "exact").agreed
+    with ms.planted(INDEX_AHEAD):
+        engine = make_engine("gpu", trace)
+        engine.samples_script = False
+        assert replay(trace, engine, "exact").agreed
 
 
 def _eos_at(index: int, min_tokens: int) -> Trace:
