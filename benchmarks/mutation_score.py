@@ -539,6 +539,24 @@ UNSEEN_PATH_MUTANTS = [
            _one_line(GpuEngine, "_execute", "seq_lens = start + n", "seq_lens = start + n - 1")),
 ]
 
+# mechanisms no campaign combined (coverage over a default campaign: their branches ran 0 times in
+# 3,000 traces): each pair is now a steering target of its own (fuzz.campaign.STEERING)
+COMBINATION_MUTANTS = [
+    Mutant("swap_in_ignores_priority", "VLLM V0 swap, VLLM-03", "priority policy: swapped-out requests come back "
+           "in arrival order", _one_line(Scheduler, "_swap_keys",
+                                         "return self.priority[slots] * PRIORITY_SHIFT + self.arrival[slots]",
+                                         "return self.arrival[slots]")),
+    Mutant("vtc_swap_in_uncharged", "VTC, VLLM V0 swap", "VTC: a swapped-in request's tokens are not charged to its tenant",
+           _one_line(Scheduler, "_schedule_swapped", "self._charge(adm, comp, n)", "pass")),
+    Mutant("slo_admission_continuous_only", "SLO admission", "SLO admission control is wired into continuous "
+           "batching only: prefill-first batching never defers or refuses",
+           _one_line(Scheduler, "schedule", 'if c.slo_admission != "off" and c.batching == "prefill-first":',
+                     "if False:")),
+    Mutant("vtc_stale_finish_keeps_waiting", "VTC, ASYNC", "VTC under async scheduling: a request finished by its "
+           "in-flight token after a preemption stays counted in its tenant's queue",
+           _one_line(Scheduler, "apply_async", "self.tc.leave([int(self.tenant[s])])", "pass")),
+]
+
 MUTANTS = [
     Mutant("block_off_by_one", "VLLM-17, ATOM#250", "a growing request gets one block too few at a block boundary", _block_off_by_one),
     Mutant("no_reset_on_preempt", "LMD-02, VLLM-13", "a preempted request keeps its computed-token count", _no_reset_on_preempt),
@@ -571,7 +589,7 @@ MUTANTS = [
            "one token early", _chunk_after_hit_off_by_one, "chunked-prefill x prefix-hit"),
     Mutant("retraction_drops_prefix", "SGL retract", "a retracted request's cached prefix leaves the prefix cache at once",
            _retraction_drops_prefix, "retraction x eviction"),
-] + BLIND_SPOT_MUTANTS + ROUND3_MUTANTS + ROUND4_MUTANTS + UNSEEN_PATH_MUTANTS
+] + BLIND_SPOT_MUTANTS + ROUND3_MUTANTS + ROUND4_MUTANTS + UNSEEN_PATH_MUTANTS + COMBINATION_MUTANTS
 
 
 @contextlib.contextmanager
@@ -697,6 +715,10 @@ AT_FAULT: dict[str, tuple[str, ...]] = {
     "attention_skips_self": (),  # (the model's numerics: no spec rule either)
     "context_one_short": (),
     "stale_finish_still_waiting": ("ASYNC.STALE_OUTPUT", "STOP.EOS", "STOP.STOP_TOKEN", "STOP.LENGTH"),
+    "swap_in_ignores_priority": ("SWAP.IN",),
+    "vtc_swap_in_uncharged": ("VTC.CHARGE",),
+    "slo_admission_continuous_only": ("SLO.DEFER", "SLO.REFUSE", "SLO.FEASIBLE"),
+    "vtc_stale_finish_keeps_waiting": ("VTC.LIFT", "VTC.PICK"),  # (a tenant left backlogged: as vtc_grown_tenant_waiting)
 }
 
 

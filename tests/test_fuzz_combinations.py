@@ -1,0 +1,87 @@
+"""Mechanisms no default campaign combined (issue 18): each pair is a steering target, and each target
+makes a bug planted where the two meet visible, under the rule at fault.
+
+Coverage of gpu_engine over a 3,000-trace default campaign found branches that ran 0 times: the swap-in
+order under the priority policy, a swap-in's VTC charge, SLO admission control under prefill-first
+batching, and a request that its in-flight token stops after a preemption leaving its VTC tenant's
+queue.  A radix tree evicting whole leaves (SGLang's) was drawn with one-token pages only, where an
+insert that forgets to refresh the nodes it walks shows in ~1 trace in 150."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from fuzz.campaign import COMBINATIONS, _all_targets, rule_target
+from fuzz.corpus import group_signature
+from fuzz.generate import random_trace
+from fuzz.replay import replay
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _mutation_score():
+    spec = importlib.util.spec_from_file_location("mutation_score", ROOT / "benchmarks" / "mutation_score.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("mutation_score", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+#: mechanism pair (fuzz.campaign.COMBINATIONS) -> the planted bug where its two mechanisms meet, and whether the first divergent
+#: trace, unshrunk, already names the rule at fault (the two others first show as a crash in the
+#: admission the stale waiting count leads to, and as the blocks a pop hands out after another eviction)
+CASES = [
+    ("swap-in x priority", "swap_in_ignores_priority", True),
+    ("swap-in x VTC charge", "vtc_swap_in_uncharged", True),
+    ("SLO admission x prefill-first", "slo_admission_continuous_only", True),
+    ("VTC x async scheduling", "vtc_stale_finish_keeps_waiting", False),
+    ("radix tree x paged blocks", "radix_insert_no_stamp", False),
+]
+
+
+@pytest.mark.parametrize("key,name,named", CASES, ids=[name for _, name, _ in CASES])
+def test_the_steering_target_makes_the_bug_where_its_mechanisms_meet_visible(key, name, named):
+    """Among the target's first traces one diverges with the bug planted, and the same trace agrees
+    without the bug (the divergence is the bug's, not the target's); where ``named``, its report (grouped
+    as the campaign names it) names a rule at fault."""
+    ms = _mutation_score()
+    target = COMBINATIONS[key]
+    assert target in _all_targets(None), f"{key}: not in the rotation every campaign goes round"
+    mutant = next(m for m in ms.MUTANTS if m.name == name)
+    found = None
+    with ms.planted(mutant):
+        for seed in range(200):
+            trace = random_trace(seed, **target)
+            result = replay(trace, "gpu", "exact")
+            if result.divergence is not None:
+                found = (trace, group_signature(result)[2])
+                break
+    assert found is not None, f"{name}: no divergence in 200 traces of {key}'s target"
+    trace, rule = found
+    if named:
+        assert rule in ms.AT_FAULT[name], f"{name}: the report names {rule}, not one of {ms.AT_FAULT[name]}"
+    assert replay(trace, "gpu", "exact").divergence is None
+
+
+def test_the_radix_pair_draws_pages_longer_than_one_token_beside_the_rules_own_target():
+    """SGLang's profile fixes one-token pages; the pair leaves the page size to the generator, so a
+    request that fills no new page at its finish (its finish inserts no node) is drawn.  The rule's own
+    target (SGLang's knobs) stays in the rotation: a pair stands in for no rule."""
+    target = COMBINATIONS["radix tree x paged blocks"]
+    assert "block_size" not in target and target["cache_eviction"] == "leaf-lru"
+    sizes = {random_trace(seed, **target).config["block_size"] for seed in range(40)}
+    assert any(size > 1 for size in sizes), sizes
+    own = rule_target("CACHE.EVICT_LEAF_LRU")
+    assert own["block_size"] == 1 and own in _all_targets(None)
+
+
+def test_a_fixed_profile_keeps_its_knobs_in_the_pairs():
+    """Under ``--profile tgi`` a pair's knobs that the profile fixes are dropped, as a family's are."""
+    from fuzz.generate import profile_knobs
+
+    fixed = profile_knobs("tgi")
+    for target in _all_targets("tgi"):
+        assert not set(target) & set(fixed), target
