@@ -540,12 +540,9 @@ UNSEEN_PATH_MUTANTS = [
 ]
 
 # mechanisms no campaign combined (coverage over a default campaign: their branches ran 0 times in
-# 3,000 traces): each pair is now a steering target of its own (fuzz.campaign.STEERING)
+# 3,000 traces): each pair is now in the steering rotation (fuzz.campaign.COMBINATIONS; the swap-in
+# order under priority, the fourth pair, has round 4's swap_order_ignores_priority)
 COMBINATION_MUTANTS = [
-    Mutant("swap_in_ignores_priority", "VLLM V0 swap, VLLM-03", "priority policy: swapped-out requests come back "
-           "in arrival order", _one_line(Scheduler, "_swap_keys",
-                                         "return self.priority[slots] * PRIORITY_SHIFT + self.arrival[slots]",
-                                         "return self.arrival[slots]")),
     Mutant("vtc_swap_in_uncharged", "VTC, VLLM V0 swap", "VTC: a swapped-in request's tokens are not charged to its tenant",
            _one_line(Scheduler, "_schedule_swapped", "self._charge(adm, comp, n)", "pass")),
     Mutant("slo_admission_continuous_only", "SLO admission", "SLO admission control is wired into continuous "
@@ -715,7 +712,6 @@ AT_FAULT: dict[str, tuple[str, ...]] = {
     "attention_skips_self": (),  # (the model's numerics: no spec rule either)
     "context_one_short": (),
     "stale_finish_still_waiting": ("ASYNC.STALE_OUTPUT", "STOP.EOS", "STOP.STOP_TOKEN", "STOP.LENGTH"),
-    "swap_in_ignores_priority": ("SWAP.IN",),
     "vtc_swap_in_uncharged": ("VTC.CHARGE",),
     "slo_admission_continuous_only": ("SLO.DEFER", "SLO.REFUSE", "SLO.FEASIBLE"),
     "vtc_stale_finish_keeps_waiting": ("VTC.LIFT", "VTC.PICK"),  # (a tenant left backlogged: as vtc_grown_tenant_waiting)

@@ -34,7 +34,7 @@ def _mutation_score():
 #: trace, unshrunk, already names the rule at fault (the two others first show as a crash in the
 #: admission the stale waiting count leads to, and as the blocks a pop hands out after another eviction)
 CASES = [
-    ("swap-in x priority", "swap_in_ignores_priority", True),
+    ("swap-in x priority", "swap_order_ignores_priority", True),
     ("swap-in x VTC charge", "vtc_swap_in_uncharged", True),
     ("SLO admission x prefill-first", "slo_admission_continuous_only", True),
     ("VTC x async scheduling", "vtc_stale_finish_keeps_waiting", False),
