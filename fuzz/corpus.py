@@ -346,10 +346,11 @@ def group_signature(result: ReplayResult) -> Signature:
         cause = giveback[0] if giveback else as_configured(decision_cause(name, spec, eng, request, previous), config)
         return (div.kind, name, cause or spec_reason(spec, request, name)[0] or "-")
     if div.field in _MEMORY_FIELDS:  # the memory event behind the spec's value (fuzz.diff.memory_rule)
-        from fuzz.diff import as_configured, memory_rule
+        from fuzz.diff import as_configured, leaf_eviction_blame, memory_rule
 
         history = [r for r in result.spec_records if r.step < div.step]
-        rule = as_configured(memory_rule(div.field, spec, eng, div.request, history)[0], result.trace.config)
+        rule = leaf_eviction_blame(div.field, spec, eng, result.trace.config) or \
+            as_configured(memory_rule(div.field, spec, eng, div.request, history)[0], result.trace.config)
         return (div.kind, div.field, rule or "-")
     return signature(div)
 

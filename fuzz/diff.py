@@ -550,6 +550,26 @@ def as_configured(rule: str | None, config: dict[str, Any]) -> str | None:
     return "CACHE.EVICT_LEAF_LRU" if rule == "CACHE.EVICT_LRU" else "KV.FREE_IN_ORDER"
 
 
+def leaf_eviction_blame(name: str, spec: StepRecord | None, engine: StepRecord | None,
+                        config: dict[str, Any]) -> str | None:
+    """``CACHE.EVICT_LEAF_LRU`` for block ids that differ in a step whose evictions differ, under
+    ``cache_eviction=leaf-lru``, else None.  The radix tree hands out content-free blocks oldest
+    first (``KV.FREE_TO_RELEASE``), and which cached blocks lost their content in this step is the
+    eviction's choice: the other blocks a request got are its symptom.  (Under ``block-lru`` the pop
+    itself evicts, so the free queue's order, ``KV.FREE_ORDER``, stays the rule named.)"""
+    if name != "block_ids" or spec is None or engine is None or spec.evicted is None or engine.evicted is None:
+        return None
+    if list(spec.evicted) == list(engine.evicted):
+        return None
+    from spec.config import ConfigError, resolve
+
+    try:
+        leaf = resolve(config).cache_eviction == "leaf-lru"
+    except (ConfigError, TypeError, ValueError):
+        return None
+    return "CACHE.EVICT_LEAF_LRU" if leaf else None
+
+
 def ended_rule(history: Iterable[StepRecord], request: str | None) -> str | None:
     """The spec rule that ended ``request`` before this step (it was aborted, rejected or finished in
     the spec's ``history``), or None: an engine that still runs it broke that rule, whatever the

@@ -31,14 +31,14 @@ def _mutation_score():
 
 
 #: mechanism pair (fuzz.campaign.COMBINATIONS) -> the planted bug where its two mechanisms meet, and whether the first divergent
-#: trace, unshrunk, already names the rule at fault (the two others first show as a crash in the
-#: admission the stale waiting count leads to, and as the blocks a pop hands out after another eviction)
+#: trace, unshrunk, already names the rule at fault (the VTC one first shows as a crash in the admission
+#: the stale waiting count leads to)
 CASES = [
     ("swap-in x priority", "swap_order_ignores_priority", True),
     ("swap-in x VTC charge", "vtc_swap_in_uncharged", True),
     ("SLO admission x prefill-first", "slo_admission_continuous_only", True),
     ("VTC x async scheduling", "vtc_stale_finish_keeps_waiting", False),
-    ("radix tree x paged blocks", "radix_insert_no_stamp", False),
+    ("radix tree x paged blocks", "radix_insert_no_stamp", True),
 ]
 
 
@@ -85,3 +85,20 @@ def test_a_fixed_profile_keeps_its_knobs_in_the_pairs():
     fixed = profile_knobs("tgi")
     for target in _all_targets("tgi"):
         assert not set(target) & set(fixed), target
+
+
+def test_block_ids_after_another_eviction_name_the_leaf_eviction_under_a_radix_tree():
+    """Under leaf-LRU a pop hands out content-free blocks: when the step's evictions differ, the other
+    blocks a request got are the eviction's symptom.  Under block-LRU the pop itself evicts, and the
+    free queue's order stays the rule named (None here)."""
+    from fuzz.diff import leaf_eviction_blame
+    from spec.formats import StepRecord
+
+    spec = StepRecord(24, block_ids={"r7": [2, 6, 5]}, evicted=[5, 1, 3, 4])
+    eng = StepRecord(24, block_ids={"r7": [2, 6, 3]}, evicted=[3, 4, 5, 1])
+    radix = {"profile": "sglang", "block_size": 4}
+    assert leaf_eviction_blame("block_ids", spec, eng, radix) == "CACHE.EVICT_LEAF_LRU"
+    assert leaf_eviction_blame("block_ids", spec, eng, {"profile": "vllm-v1"}) is None
+    same = StepRecord(24, block_ids={"r7": [2, 6, 3]}, evicted=[5, 1, 3, 4])
+    assert leaf_eviction_blame("block_ids", spec, same, radix) is None  # (the evictions agree: the pop's order)
+    assert leaf_eviction_blame("blocks", spec, eng, radix) is None
