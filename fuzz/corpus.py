@@ -343,7 +343,9 @@ def group_signature(result: ReplayResult) -> Signature:
             return (div.kind, name, _cause_rule(spec, request, name) or own or "-")
         giveback = budget_giveback_rule(spec, request)  # the budget this request got came from a victim's tokens
         previous = next((r for r in reversed(result.spec_records) if r.step < div.step), None)
-        cause = giveback[0] if giveback else as_configured(decision_cause(name, spec, eng, request, previous), config)
+        before = [r for r in result.spec_records if r.step < div.step]
+        cause = giveback[0] if giveback else as_configured(decision_cause(name, spec, eng, request, previous, before),
+                                                           config)
         return (div.kind, name, cause or spec_reason(spec, request, name)[0] or "-")
     if div.field in _MEMORY_FIELDS:  # the memory event behind the spec's value (fuzz.diff.memory_rule)
         from fuzz.diff import as_configured, leaf_eviction_blame, memory_rule

@@ -608,7 +608,7 @@ def ghost(spec: StepRecord | None, engine: StepRecord | None, history: list[Step
 
 
 def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None, request: str | None,
-                   previous: StepRecord | None = None) -> str | None:
+                   previous: StepRecord | None = None, history: Iterable[StepRecord] = ()) -> str | None:
     """The rule behind the spec's value when the two sides decided the same thing differently in
     degree, not in kind — the request's own ``RUN.*`` / ``ADMIT.*`` reason says only that it ran:
 
@@ -623,9 +623,15 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
       statement says who is capped and who, alone, is not;
     * ``scheduled`` / ``new`` / ``resumed``, a request the spec admits where the engine admits nobody, right after a
       step in which the spec held admission (``previous``, the spec's record before): the spec released
-      the hold the engine kept (``ESTIMATE.HOLD_UNTIL_DEPARTURE``)."""
+      the hold the engine kept (``ESTIMATE.HOLD_UNTIL_DEPARTURE``);
+    * ``scheduled`` / ``new`` / ``resumed`` where the spec's SLO admission control deferred a request
+      (``history``: the spec's records before this step) that the engine took ahead of the spec's pick,
+      or deferred one in this very step, admitted more than the engine and took neither side's head:
+      the deferral re-ordered the queue (``SLO.DEFER``) — an engine that never defers blocks on it."""
     if spec is None or engine is None or request is None:
         return None
+    if name in _BUDGETED and _deferral_decided(spec, engine, request, history):
+        return "SLO.DEFER"
     if name in _BUDGETED and previous is not None and request in list(spec.new) + list(spec.resumed) \
             and not engine.new and not engine.resumed \
             and any(r.get("rule") == "ESTIMATE.HOLD_UNTIL_DEPARTURE" for r in previous.reasons or ()):
@@ -665,6 +671,24 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
         if (spec.resumed and engine.resumed) or (request in engine.resumed and request not in considered):
             return "QUEUE.VICTIM_TO_FRONT"  # (the spec never reached it this step: another victim was ahead)
     return None
+
+
+def _deferral_decided(spec: StepRecord, engine: StepRecord, request: str, history: Iterable[StepRecord]) -> bool:
+    """:func:`decision_cause`'s ``SLO.DEFER`` case: the spec deferred a request the engine took
+    instead of the spec's pick (in an earlier step: still waiting since), or deferred one in this
+    step that neither side took while the spec admitted more than the engine."""
+    a, b = list(spec.resumed) + list(spec.new), list(engine.resumed) + list(engine.new)
+    if request not in a + b or a == b:
+        return False
+    now = {r.get("request") for r in spec.reasons or () if r.get("rule") == "SLO.DEFER"}
+    if len(a) > len(b) and any(d not in a + b for d in now):
+        return True
+    deferred: set[str] = set()
+    for rec in history:
+        deferred |= {r.get("request") for r in rec.reasons or () if r.get("rule") == "SLO.DEFER"}
+        deferred -= set(rec.new) | set(rec.resumed)
+    taken = [y for x, y in zip(a, b) if x != y] + b[len(a):]
+    return bool(taken) and taken[0] in deferred | now
 
 
 def hit_differs(spec: StepRecord | None, engine: StepRecord | None, request: str | None) -> bool:
@@ -907,7 +931,7 @@ def first_divergence(spec_records: Iterable[StepRecord], engine_records: Iterabl
                                   f"the spec ended {late[1]} before this step ({late[2]})", DECISION, engine, context)
             giveback = budget_giveback_rule(s, request) if name in _BUDGETED else None
             previous = history[-1] if history and history[-1].step < step else None
-            degree = decision_cause(name, s, e, request, previous) if giveback is None else None
+            degree = decision_cause(name, s, e, request, previous, history) if giveback is None else None
             if giveback is not None:
                 rule, text = giveback[0], f"{giveback[1]} was preempted after it was scheduled in this step: its tokens went back to the budget"
             elif degree is not None:

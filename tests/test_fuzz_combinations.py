@@ -102,3 +102,24 @@ def test_block_ids_after_another_eviction_name_the_leaf_eviction_under_a_radix_t
     same = StepRecord(24, block_ids={"r7": [2, 6, 3]}, evicted=[5, 1, 3, 4])
     assert leaf_eviction_blame("block_ids", spec, same, radix) is None  # (the evictions agree: the pop's order)
     assert leaf_eviction_blame("blocks", spec, eng, radix) is None
+
+
+def test_an_admission_the_spec_deferral_reordered_names_slo_deferral():
+    """SLO admission control under prefill-first batching (slo_admission_continuous_only): the engine
+    never deferred r6, so it took r6 where the spec took r5 — r6 deferred in an earlier step — or
+    blocked on r6 in the step the spec deferred it and admitted r5 behind it."""
+    from fuzz.diff import QUEUE_ORDER, decision_cause
+    from spec.formats import StepRecord
+
+    def defer(rid: str) -> dict:
+        return {"rule": "SLO.DEFER", "request": rid, "text": "deadline out of reach"}
+
+    earlier = [StepRecord(3, reasons=[defer("r6")])]
+    spec = StepRecord(5, scheduled=[("r5", 2)], new=["r5"], reasons=[{"rule": "ADMIT.NEW", "request": "r5"}])
+    eng = StepRecord(5, scheduled=[("r6", 2)], new=["r6"])
+    assert decision_cause("new", spec, eng, "r6", earlier[-1], earlier) == "SLO.DEFER"
+    assert decision_cause("new", spec, eng, "r6") == QUEUE_ORDER  # (no deferral on record: the queue's order)
+    admitted = [StepRecord(3, reasons=[defer("r6")]), StepRecord(4, scheduled=[("r6", 2)], new=["r6"])]
+    assert decision_cause("new", spec, eng, "r6", admitted[-1], admitted) == QUEUE_ORDER  # (r6 ran since)
+    now = StepRecord(5, scheduled=[("r5", 2)], new=["r5"], reasons=[defer("r6"), {"rule": "ADMIT.NEW", "request": "r5"}])
+    assert decision_cause("new", now, StepRecord(5, scheduled=[("r1", 1)]), "r5") == "SLO.DEFER"
