@@ -1154,7 +1154,8 @@ class SpecEngine:
         if self.vtc:
             what += f"; tenant {tr.tenant!r} counter {self.waiting.counters[tr.tenant]:g}"
         self._reasons.append(reason(ARRIVE, tr.id, what))
-        if self.vtc and self.waiting.lifted is not None:  # (a counter bug there is a VTC.LIFT bug, not a charge's)
+        # (a counter bug there is a VTC.LIFT bug, not a charge's; a lift that moved nothing decided nothing)
+        if self.vtc and self.waiting.lifted is not None and self.waiting.lifted[1] != self.waiting.lifted[2]:
             tenant, before, after = self.waiting.lifted
             self._reasons.append(reason("VTC.LIFT", tr.id, f"tenant {tenant!r} was not backlogged: counter "
                                         f"{before:g} -> {after:g}", tenant=tenant))
