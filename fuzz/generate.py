@@ -82,7 +82,7 @@ MAX_PROMPT = 80
 _KNOBS = {f.name for f in fields(SchedulerConfig)} - {"profile"}
 #: Generator switches accepted by :func:`random_trace` besides the knobs.
 SWITCHES = ("n_requests", "aborts", "stop_tokens", "eos", "prefix_groups", "rejections", "tight_memory", "clones", "stress",
-            "tenants", "slo", "request_features", "interaction", "ignore_eos")
+            "tenants", "slo", "request_features", "interaction", "ignore_eos", "edges")
 #: Extreme corners a ``stress`` trace takes one to three of.
 STRESS = ("vocab", "block", "budget", "many", "short", "watermark")
 
@@ -304,7 +304,8 @@ def random_trace(seed: int, **options: Any) -> Trace:
     ``aborts``, ``stop_tokens``, ``eos``, ``prefix_groups``, ``rejections``,
     ``tight_memory``, ``clones``, ``stress`` (bool: force the feature on or off),
     ``ignore_eos`` (bool: half the requests ignore EOS, not one in ten),
-    ``tenants`` (int: that many tenants; drawn anyway under ``policy="vtc"``), ``interaction``
+    ``tenants`` (int: that many tenants; drawn anyway under ``policy="vtc"``), ``edges`` (bool: a
+    prompt at an arrival rule's boundary, :func:`_edge_prompts`), ``interaction``
     (str: a curated interaction of :data:`fuzz.pairs.INTERACTIONS`; the drawn trace is then
     reworked towards it by :func:`fuzz.pairs.shape_trace`, e.g. an abort timed into a swap-out).
     A ``stress`` trace also takes one to three of the extreme corners :data:`STRESS`.
@@ -393,6 +394,8 @@ def random_trace(seed: int, **options: Any) -> Trace:
     if cfg.get("preemption_mode") == "swap" and "num_cpu_blocks" not in options:
         swap_rng = random.Random(f"swap:{seed}")  # its own generator: other traces keep their draws
         cfg["num_cpu_blocks"] = swap_rng.choice((0, 1, 2, 4, 8, swap_rng.randint(0, cfg["num_blocks"]), 256))
+    if options.get("edges"):  # (its own generator: the rest of the trace keeps its draws)
+        requests = _edge_prompts(random.Random(f"edges:{seed}"), cfg, requests)
     if cfg.get("admission") == "estimate" and "clip_max_new_tokens" not in options:
         # SGLang's CLIP_MAX_NEW_TOKENS (4096) never binds on outputs of 1-40 tokens: half the estimate
         # traces clip the remaining-output estimate (ESTIMATE.REMAINING) for real; own generator (the
@@ -410,6 +413,45 @@ def random_trace(seed: int, **options: Any) -> Trace:
 
         trace = shape_trace(trace, options["interaction"], seed)
     return trace
+
+
+#: The share of a campaign's traces with a prompt moved to an arrival rule's boundary
+#: (:func:`_edge_prompts`; plain ``random_trace(seed)`` never moves one: conformance runs keep their traces).
+EDGE_SHARE = 0.25
+EDGE_MAX_PROMPT = 300  # (a longer prompt is a slow trace: thousands of chunked-prefill steps)
+
+
+def _edge_prompts(rng: random.Random, cfg: dict[str, Any], requests: list[TraceRequest]) -> list[TraceRequest]:
+    """One request's prompt moved to a length where an arrival rule flips, at it or one below: the
+    longest prompt the context takes (``max_model_len - 1``) and the first it refuses; under
+    ``length_limits=clip`` SGLang's input limits ``min(max_model_len, pool) - 6``; a peak
+    (``prompt + max_tokens - 1``) that fills the pool exactly or overflows it by one slot.
+    Off-by-one bugs live at these lengths, which uniform draws hit rarely (REJECT.*,
+    ARRIVE.CLIP_MAX_TOKENS); lengths over :data:`EDGE_MAX_PROMPT` are left out.  (Two arrivals of
+    one step that fill the token budget exactly were tried too: they barely moved the budget's
+    off-by-ones, whose traces have decodes running beside them.)"""
+    from spec.scheduler import INPUT_LIMIT_MARGIN, length_capacity
+
+    try:
+        config = resolve(cfg)
+    except (ValueError, TypeError):
+        return requests
+    i = rng.randrange(len(requests))
+    r = requests[i]
+    pool, bs = config.usable_blocks * config.block_size, config.block_size
+    if config.length_limits == "clip":  # (the clip's input limits replace the context's and the pool's refusals)
+        limits = [config.max_model_len - INPUT_LIMIT_MARGIN, length_capacity(config) - INPUT_LIMIT_MARGIN]
+    else:
+        limits = [config.max_model_len, pool - r.max_tokens + 2]
+        if config.admission == "estimate":  # REJECT.NEVER_FITS's empty-engine estimate: prompt + max_tokens + B
+            limits.append(pool - r.max_tokens - bs + 1)
+    limits = sorted({n for n in limits if 2 <= n <= EDGE_MAX_PROMPT})
+    if not limits or r.prompt is not None:
+        return requests
+    out = list(requests)
+    n = rng.choice(limits) - rng.randint(0, 1)
+    out[i] = replace(r, prompt_len=n, prefix_len=min(r.prefix_len, n))
+    return out
 
 
 def _uses_slo(cfg: dict[str, Any]) -> bool:

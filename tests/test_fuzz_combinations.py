@@ -123,3 +123,15 @@ def test_an_admission_the_spec_deferral_reordered_names_slo_deferral():
     assert decision_cause("new", spec, eng, "r6", admitted[-1], admitted) == QUEUE_ORDER  # (r6 ran since)
     now = StepRecord(5, scheduled=[("r5", 2)], new=["r5"], reasons=[defer("r6"), {"rule": "ADMIT.NEW", "request": "r5"}])
     assert decision_cause("new", now, StepRecord(5, scheduled=[("r1", 1)]), "r5") == "SLO.DEFER"
+
+
+def test_a_campaign_moves_a_prompt_to_an_arrival_limit_in_a_quarter_of_its_traces():
+    """fuzz.generate.EDGE_SHARE of a campaign's traces take ``edges`` (chosen by a hash of the seed and
+    trace number, so any worker count draws the same traces); plain random_trace never does."""
+    from fuzz.campaign import CampaignConfig, campaign_envelope, trace_options
+
+    cfg = CampaignConfig(seed=3)
+    env = campaign_envelope(cfg)
+    drawn = [trace_options(cfg, k, [], env, []).get("edges", False) for k in range(400)]
+    assert 60 <= sum(drawn) <= 140, sum(drawn)
+    assert drawn == [trace_options(cfg, k, [], env, []).get("edges", False) for k in range(400)]

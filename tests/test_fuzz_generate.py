@@ -4,6 +4,8 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -138,3 +140,26 @@ def test_static_tags_follow_the_config():
     tags = trace_features(t)
     assert {"fcfs", "no_chunking", "watermark", "reserve_first_chunk", "long_prefill_cap", "prefix_caching"} <= tags
     assert "priority" not in tags and "chunked_prefill" not in tags
+
+
+def test_edge_traces_put_a_prompt_at_an_arrival_limit_and_show_its_off_by_one():
+    """``edges=True`` moves one prompt to where an arrival rule flips: with the context's limit
+    off by one planted (a prompt of exactly max_model_len accepted), 60 plain traces show nothing
+    and the same seeds with edges show it several times.  Plain traces are untouched (GOLDEN above)."""
+    import importlib.util
+
+    from fuzz.replay import replay
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "mutation_score.py"
+    spec = importlib.util.spec_from_file_location("mutation_score", path)
+    ms = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("mutation_score", ms)
+    spec.loader.exec_module(ms)
+    mutant = next(m for m in ms.MUTANTS if m.name == "prompt_too_long_off_by_one")
+    at_limit = sum(any(r.prompt_len in (t.config["max_model_len"] - 1, t.config["max_model_len"]) for r in t.requests)
+                   for t in (random_trace(seed, edges=True) for seed in range(60)))
+    assert at_limit >= 10, at_limit
+    with ms.planted(mutant):
+        plain = sum(replay(random_trace(seed), "gpu", "exact").divergence is not None for seed in range(60))
+        edged = sum(replay(random_trace(seed, edges=True), "gpu", "exact").divergence is not None for seed in range(60))
+    assert plain == 0 and edged >= 5, (plain, edged)
