@@ -8,7 +8,6 @@ queue.  A radix tree evicting whole leaves (SGLang's) was drawn with one-token p
 insert that forgets to refresh the nodes it walks shows in ~1 trace in 150."""
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -19,15 +18,8 @@ from fuzz.corpus import group_signature
 from fuzz.generate import random_trace
 from fuzz.replay import replay
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _mutation_score():
-    spec = importlib.util.spec_from_file_location("mutation_score", ROOT / "benchmarks" / "mutation_score.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("mutation_score", module)
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import mutation_score as ms  # noqa: E402  (its planting mechanism: one line of one method changed)
 
 
 #: mechanism pair (fuzz.campaign.COMBINATIONS) -> the planted bug where its two mechanisms meet, and whether the first divergent
@@ -47,7 +39,6 @@ def test_the_steering_target_makes_the_bug_where_its_mechanisms_meet_visible(key
     """Among the target's first traces one diverges with the bug planted, and the same trace agrees
     without the bug (the divergence is the bug's, not the target's); where ``named``, its report (grouped
     as the campaign names it) names a rule at fault."""
-    ms = _mutation_score()
     target = COMBINATIONS[key]
     assert target in _all_targets(None), f"{key}: not in the rotation every campaign goes round"
     mutant = next(m for m in ms.MUTANTS if m.name == name)
