@@ -228,8 +228,9 @@ def steer(uncovered: list[str], index: int, profile: str | None = None) -> dict[
 @functools.lru_cache(maxsize=16)
 def _all_targets(profile: str | None) -> tuple[dict[str, Any], ...]:
     """Every distinct steering target that sets a knob away from ``vllm-v1``'s default, as if no rule
-    were covered (:func:`_steer_targets`), then the :data:`COMBINATIONS`; generator switches alone (tight memory, aborts, EOS, ...)
-    are left to the default family, which draws them in a third to two thirds of its traces."""
+    were covered (:func:`_steer_targets`), then the :data:`COMBINATIONS`; generator switches alone
+    (tight memory, aborts, EOS, ...) are left to the default family, which draws them in a third to
+    two thirds of its traces."""
     from fuzz.generate import _KNOBS
     from spec.config import VLLM_V1
 
