@@ -49,7 +49,6 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
-import random
 import signal
 import sys
 import threading
@@ -453,7 +452,6 @@ def model_check_trace(trace: Trace) -> Trace | None:
             break
         keep.append(r)
     return dataclasses.replace(trace, requests=keep) if keep else None
-
 
 
 #: Built-in engines: the spec's own decisions re-implemented (a stall they share with the spec is the
@@ -1411,12 +1409,12 @@ def _valid(cfg: CampaignConfig, k: int, envelope, fixed: set[str], options: dict
     the envelope's rotation or a profile combined into a refused combination (async with swap
     or an SLO policy, ...) is re-drawn from the campaign seed and trace number
     (:func:`fuzz.capabilities.repair`), so every worker count draws the same traces."""
-    from fuzz.capabilities import draws_request_features, repair, spec_decode_draw
+    from fuzz.capabilities import draws_request_features, keyed_rng, repair, spec_decode_draw
 
     key = f"{cfg.seed}:{k}"
     if "request_features" not in options and draws_request_features(envelope, key):
         options = {**options, "request_features": True}  # a share of the traces, against an engine that has them
-    if "edges" not in options and random.Random(zlib.crc32(f"{key}:edges".encode())).random() < EDGE_SHARE:
+    if "edges" not in options and keyed_rng(key, "edges").random() < EDGE_SHARE:
         options = {**options, "edges": True}  # a prompt at an arrival rule's boundary (fuzz.generate._edge_prompts)
     options = spec_decode_draw(envelope, key, options, fixed)
     options = _self_preempt_draw(envelope, key, options, fixed)
@@ -1428,11 +1426,13 @@ def _self_preempt_draw(envelope, key: str, options: dict[str, Any], fixed: set[s
     free or priority (chosen by a hash of ``key``: any worker count draws the same traces), where the
     envelope allows it (vLLM 0.32's does not).  The knob acts only under the priority policy, which no
     profile sets with it: the default family's priority traces are where it meets self-preemptions."""
+    from fuzz.capabilities import keyed_rng
+
     knob = "priority_self_preempt"
     if knob in fixed or knob in options or options.get("policy", "priority") != "priority" \
             or not envelope.allows(knob, "continue"):
         return options
-    if random.Random(zlib.crc32(f"{key}:{knob}".encode())).random() >= 0.5:
+    if keyed_rng(key, knob).random() >= 0.5:
         return options
     return {**options, knob: "continue"}
 

@@ -335,7 +335,7 @@ def _redraw(knob: str, options: Mapping[str, Any], envelope: Envelope | None, ke
     else:
         values = list(envelope.samples(knob)) if envelope is not None and knob in envelope.knobs else \
             list(KNOB_CHOICES.get(knob, ())) if envelope is not None and envelope.everything else []
-        random.Random(zlib.crc32(f"{key}:{knob}".encode())).shuffle(values)
+        keyed_rng(key, knob).shuffle(values)
     if options.get("async_scheduling") and knob in ASYNC_NEEDS:
         values.insert(0, ASYNC_NEEDS[knob])
     before = str(refusal(options))
@@ -505,13 +505,19 @@ BUILTIN = {"spec": lambda: dataclasses.replace(EVERYTHING, source="the spec itse
 UNDECLARED = Envelope(everything=True, source="no declaration: the vllm-v1 family (every knob drawn)")
 
 
+def keyed_rng(key: str, what: str) -> random.Random:
+    """The campaign trace ``key``'s (seed and trace number) own generator for the draw ``what``: a hash
+    of both, so that any worker count draws the same, and one draw leaves the others as they are."""
+    return random.Random(zlib.crc32(f"{key}:{what}".encode()))
+
+
 def draws_request_features(envelope: Envelope, key: str) -> bool:
     """Whether the campaign trace ``key`` (seed and trace number) carries the request features:
     :data:`REQUEST_FEATURE_SHARE` of the traces against an engine that declares them, chosen
     by a hash of ``key`` (the same traces for any worker count)."""
     if not envelope.request_features:
         return False
-    return random.Random(zlib.crc32(f"{key}:request_features".encode())).random() < REQUEST_FEATURE_SHARE
+    return keyed_rng(key, "request_features").random() < REQUEST_FEATURE_SHARE
 
 
 def spec_decode_draw(envelope: Envelope, key: str, options: Mapping[str, Any], fixed: Iterable[str]) -> dict[str, Any]:
@@ -523,7 +529,7 @@ def spec_decode_draw(envelope: Envelope, key: str, options: Mapping[str, Any], f
     from spec.config import ASYNC_NEEDS
 
     fixed = set(fixed)
-    rng = random.Random(zlib.crc32(f"{key}:spec_decode".encode()))
+    rng = keyed_rng(key, "spec_decode")
     if "num_speculative_tokens" in fixed or "num_speculative_tokens" in options or rng.random() >= SPEC_DECODE_SHARE:
         return dict(options)
     k = rng.randint(1, 4)
