@@ -680,15 +680,20 @@ def _deferral_decided(spec: StepRecord, engine: StepRecord, request: str, histor
     a, b = list(spec.resumed) + list(spec.new), list(engine.resumed) + list(engine.new)
     if request not in a + b or a == b:
         return False
-    now = {r.get("request") for r in spec.reasons or () if r.get("rule") == "SLO.DEFER"}
+    now = _deferrals(spec)
     if len(a) > len(b) and any(d not in a + b for d in now):
         return True
     deferred: set[str] = set()
     for rec in history:
-        deferred |= {r.get("request") for r in rec.reasons or () if r.get("rule") == "SLO.DEFER"}
+        deferred |= _deferrals(rec)
         deferred -= set(rec.new) | set(rec.resumed)
     taken = [y for x, y in zip(a, b) if x != y] + b[len(a):]
     return bool(taken) and taken[0] in deferred | now
+
+
+def _deferrals(record: StepRecord) -> set[str]:
+    """The requests the record's SLO admission control deferred (``SLO.DEFER`` reasons)."""
+    return {r.get("request") for r in record.reasons or () if r.get("rule") == "SLO.DEFER"}
 
 
 def hit_differs(spec: StepRecord | None, engine: StepRecord | None, request: str | None) -> bool:
@@ -744,7 +749,7 @@ def queue_order_cause(spec: StepRecord | None, engine: StepRecord | None, reques
     x, y = taken[0]
     if x in spec.swapped_in or y in engine.swapped_in:  # (resumed from the CPU: the swapped queue's order)
         return "SWAP.IN"
-    if any(r.get("rule") == "SLO.DEFER" and r.get("request") == y for r in spec.reasons or ()):
+    if y in _deferrals(spec):
         return "SLO.DEFER"  # (the engine took a request the spec deferred behind the rest in this very step)
     return QUEUE_ORDER_RESUMED if x in spec.resumed or y in engine.resumed else QUEUE_ORDER
 
