@@ -38,8 +38,7 @@ import operator
 import sys
 import time
 import traceback
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from fuzz.diff import ERROR, NON_TERMINATION, SPAN, TOKENS, Divergence, as_configured, first_divergence, leaf_eviction_blame
@@ -475,7 +474,7 @@ def off_replay_divergence(kind: str, trace: Trace) -> Divergence | None:
 def with_off_replay_check(result: ReplayResult, kind: str) -> ReplayResult:
     """``result`` (a replay that agreed), with the divergence of the ``kind`` check if it finds one."""
     found = off_replay_divergence(kind, result.trace)
-    return result if found is None else dataclasses.replace(result, divergence=found)
+    return result if found is None else replace(result, divergence=found)
 
 
 def replay_command(trace_path: str, engine: str = "vllm", level: str = "exact",

@@ -190,7 +190,6 @@ class BatchTracker:
             flight.pop(rid, None)
         return StepShape(prefill, decodes, kv), parts
 
-
     def _verified(self, record: StepRecord) -> None:
         """A verification appends ``1 + accepted`` outputs and rolls the rejected drafts back, which
         ``sampled`` (one token a request) does not show: a request that sampled ends the step with
