@@ -554,6 +554,36 @@ COMBINATION_MUTANTS = [
            _one_line(Scheduler, "apply_async", "self.tc.leave([int(self.tenant[s])])", "pass")),
 ]
 
+
+def _free_order_unsorted():
+    # block_pool imports free_order by name: the pool's binding is the one that runs
+    (_, _, fn), = source_patch(F, "free_order", "if len(head) and int(groups[head[-1]]) != int(groups[head[0]]):",
+                               "if len(head) and int(groups[head[-1]]) == int(groups[head[0]]):")
+    return [(F, "free_order", fn), (BP, "free_order", fn)]
+
+
+# an operator sweep of the formulas, the pools and the engine (every <, <=, ==, +-1, and/or in them,
+# 159 one-line mutants): the comparisons that decide at an exact fit survived hundreds of traces or
+# took seconds to a minute; free_order's survived only because the sweep patched the formulas
+# module while block_pool binds the function by name
+BOUNDARY_MUTANTS = [
+    Mutant("admission_exact_fit_refused", "TRT-01, VLLM-16", "chunked prefill off: a request whose tokens exactly "
+           "fill the budget left is refused", lambda: source_patch(F, "admission", "ok = ok & (c <= left)",
+                                                                  "ok = ok & (c < left)")
+           + source_patch(F, "admission_walk", "(chunked or c <= left)", "(chunked or c < left)")),
+    Mutant("chunk_only_first_exact_refused", "nano-vllm chunk-only-first", "prefill_chunking=first-continues: a "
+           "request behind the batch's first that exactly fills the budget left is refused",
+           _one_line(Scheduler, "_first_cut_only", "return xp.first_true(behind & (rest > left))",
+                     "return xp.first_true(behind & (rest >= left))")),
+    Mutant("swap_in_full_exact_refused", "VLLM V0 swap", "full-sequence swap-in refuses a request whose whole "
+           "sequence exactly fits the free blocks", _one_line(F, "swap_in", "block_size) + wm <= seen_free)",
+                                                              "block_size) + wm < seen_free)")),
+    Mutant("at_risk_exact_refused", "SLO at-risk decodes", "EDF's at-risk decodes: the one whose block is the last "
+           "free block is skipped", _one_line(F, "at_risk_grants", "(need.cumsum(0) <= free)", "(need.cumsum(0) < free)")),
+    Mutant("free_order_unsorted", "VLLM free-queue order", "several requests freed in one step: their uncached "
+           "blocks re-enter the head earlier request first, not last", _free_order_unsorted),
+]
+
 MUTANTS = [
     Mutant("block_off_by_one", "VLLM-17, ATOM#250", "a growing request gets one block too few at a block boundary", _block_off_by_one),
     Mutant("no_reset_on_preempt", "LMD-02, VLLM-13", "a preempted request keeps its computed-token count", _no_reset_on_preempt),
@@ -586,7 +616,7 @@ MUTANTS = [
            "one token early", _chunk_after_hit_off_by_one, "chunked-prefill x prefix-hit"),
     Mutant("retraction_drops_prefix", "SGL retract", "a retracted request's cached prefix leaves the prefix cache at once",
            _retraction_drops_prefix, "retraction x eviction"),
-] + BLIND_SPOT_MUTANTS + ROUND3_MUTANTS + ROUND4_MUTANTS + UNSEEN_PATH_MUTANTS + COMBINATION_MUTANTS
+] + BLIND_SPOT_MUTANTS + ROUND3_MUTANTS + ROUND4_MUTANTS + UNSEEN_PATH_MUTANTS + COMBINATION_MUTANTS + BOUNDARY_MUTANTS
 
 
 @contextlib.contextmanager
@@ -715,6 +745,11 @@ AT_FAULT: dict[str, tuple[str, ...]] = {
     "vtc_swap_in_uncharged": ("VTC.CHARGE",),
     "slo_admission_continuous_only": ("SLO.DEFER", "SLO.REFUSE", "SLO.FEASIBLE"),
     "vtc_stale_finish_keeps_waiting": ("VTC.LIFT", "VTC.PICK"),  # (a tenant left backlogged: as vtc_grown_tenant_waiting)
+    "admission_exact_fit_refused": ("ADMIT.NO_CHUNKING",),
+    "chunk_only_first_exact_refused": ("ADMIT.CHUNK_ONLY_FIRST",),
+    "swap_in_full_exact_refused": ("SWAP.IN",),
+    "at_risk_exact_refused": ("EDF.AT_RISK_FIRST",),
+    "free_order_unsorted": ("KV.FREE_ORDER",),
 }
 
 

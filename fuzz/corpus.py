@@ -307,8 +307,8 @@ def group_signature(result: ReplayResult) -> Signature:
     spec's value (:func:`fuzz.diff.memory_rule`: a preemption's release, an abort, a prefix hit, an
     allocation), not the rule for what the request involved did in that step (``ADMIT.NEW``,
     ``RUN.PREFILL_CHUNK``), which is as incidental to a block-accounting bug as its id."""
-    from fuzz.diff import (DECISION, _involved, _value, as_configured, budget_giveback_rule, decision_cause, field_rule,
-                           ghost, hit_differs, spec_reason)
+    from fuzz.diff import (DECISION, _involved, _value, as_configured, budget_fit_blame, budget_giveback_rule,
+                           decision_cause, field_rule, ghost, hit_differs, spec_reason)
     from fuzz.shrink import signature
     from spec.formats import StepRecord, fields_at
 
@@ -346,7 +346,8 @@ def group_signature(result: ReplayResult) -> Signature:
         before = [r for r in result.spec_records if r.step < div.step]
         cause = giveback[0] if giveback else as_configured(decision_cause(name, spec, eng, request, previous, before),
                                                            config)
-        return (div.kind, name, cause or spec_reason(spec, request, name)[0] or "-")
+        cause = cause or spec_reason(spec, request, name)[0]
+        return (div.kind, name, budget_fit_blame(cause, name, spec, eng, request, config) or cause or "-")
     if div.field in _MEMORY_FIELDS:  # the memory event behind the spec's value (fuzz.diff.memory_rule)
         from fuzz.diff import as_configured, leaf_eviction_blame, memory_rule
 

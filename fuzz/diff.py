@@ -570,6 +570,48 @@ def leaf_eviction_blame(name: str, spec: StepRecord | None, engine: StepRecord |
     return "CACHE.EVICT_LEAF_LRU" if leaf else None
 
 
+#: Names a budget decision at its boundary can carry without saying which comparison decided it.
+_GENERIC_BUDGET = ("ADMIT.NEW", "ADMIT.RESUMED", "BUDGET.TOKENS", None)
+
+
+def budget_fit_blame(rule: str | None, name: str, spec: StepRecord | None, engine: StepRecord | None,
+                     request: str | None, config: dict[str, Any]) -> str | None:
+    """The budget gate at its boundary, for a report that names only the admission (``rule``:
+    ``ADMIT.NEW``, ``ADMIT.RESUMED``, ``BUDGET.TOKENS`` or none): a request the spec admitted in
+    this step with exactly the step's token budget left for it (the batch's tokens through it
+    end on ``max_num_batched_tokens``), that the engine scheduled otherwise.  Whether a request
+    asking for exactly what is left gets it is the gate's comparison: ``ADMIT.NO_CHUNKING`` with
+    chunked prefill off, ``ADMIT.CHUNK_ONLY_FIRST`` behind the batch's first under
+    ``prefill_chunking=first-continues``, else the token budget (``BUDGET.TOKENS``).  None otherwise
+    (also for a request cut by a per-request cap: the uncapped tokens a gate compares are not logged)."""
+    if rule not in _GENERIC_BUDGET or name not in _BUDGETED or spec is None or engine is None or request is None \
+            or request not in list(spec.new) + list(spec.resumed):
+        return None
+    mine = dict(spec.scheduled).get(request)
+    if mine is None or dict(engine.scheduled).get(request) == mine:
+        return None
+    from spec.config import ConfigError, resolve
+
+    try:
+        cfg = resolve(config)
+    except (ConfigError, TypeError, ValueError):
+        return None
+    spent, first = 0, None
+    for rid, n in spec.scheduled:
+        spent += n
+        if first is None and rid in list(spec.new) + list(spec.resumed):
+            first = rid
+        if rid == request:
+            break
+    if spent != cfg.max_num_batched_tokens:
+        return None
+    if not cfg.enable_chunked_prefill:
+        return "ADMIT.NO_CHUNKING"
+    if cfg.prefill_chunking == "first-continues" and first != request:
+        return "ADMIT.CHUNK_ONLY_FIRST"
+    return "BUDGET.TOKENS"
+
+
 def ended_rule(history: Iterable[StepRecord], request: str | None) -> str | None:
     """The spec rule that ended ``request`` before this step (it was aborted, rejected or finished in
     the spec's ``history``), or None: an engine that still runs it broke that rule, whatever the

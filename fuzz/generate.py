@@ -82,7 +82,7 @@ MAX_PROMPT = 80
 _KNOBS = {f.name for f in fields(SchedulerConfig)} - {"profile"}
 #: Generator switches accepted by :func:`random_trace` besides the knobs.
 SWITCHES = ("n_requests", "aborts", "stop_tokens", "eos", "prefix_groups", "rejections", "tight_memory", "clones", "stress",
-            "tenants", "slo", "request_features", "interaction", "ignore_eos", "edges")
+            "tenants", "slo", "request_features", "interaction", "ignore_eos", "edges", "budget_edge")
 #: Extreme corners a ``stress`` trace takes one to three of.
 STRESS = ("vocab", "block", "budget", "many", "short", "watermark")
 
@@ -305,7 +305,8 @@ def random_trace(seed: int, **options: Any) -> Trace:
     ``tight_memory``, ``clones``, ``stress`` (bool: force the feature on or off),
     ``ignore_eos`` (bool: half the requests ignore EOS, not one in ten),
     ``tenants`` (int: that many tenants; drawn anyway under ``policy="vtc"``), ``edges`` (bool: a
-    prompt at an arrival rule's boundary, :func:`_edge_prompts`), ``interaction``
+    prompt at an arrival rule's boundary, :func:`_edge_prompts`), ``budget_edge`` (bool: a prompt
+    that fills a step's token budget exactly or by one token more, :func:`budget_edge`), ``interaction``
     (str: a curated interaction of :data:`fuzz.pairs.INTERACTIONS`; the drawn trace is then
     reworked towards it by :func:`fuzz.pairs.shape_trace`, e.g. an abort timed into a swap-out).
     A ``stress`` trace also takes one to three of the extreme corners :data:`STRESS`.
@@ -408,6 +409,8 @@ def random_trace(seed: int, **options: Any) -> Trace:
         cfg = {k: v for k, v in cfg.items() if k == "profile" or k in SIZES or v != getattr(base, k)}
     trace = Trace(config=cfg, requests=requests, vocab_size=vocab, eos_token_id=eos,
                   name=f"random-{seed}", description=f"fuzz.generate.random_trace({seed})")
+    if options.get("budget_edge"):
+        trace = budget_edge(trace, random.Random(f"budget-edge:{seed}"))
     if options.get("interaction"):  # steering towards two mechanisms at once (issue 18 item 2)
         from fuzz.pairs import shape_trace
 
@@ -418,6 +421,9 @@ def random_trace(seed: int, **options: Any) -> Trace:
 #: The share of a campaign's traces with a prompt moved to an arrival rule's boundary
 #: (:func:`_edge_prompts`; plain ``random_trace(seed)`` never moves one: conformance runs keep their traces).
 EDGE_SHARE = 0.25
+#: The share of a campaign's traces (not shaped towards an interaction) with a prompt grown to fill
+#: a step's token budget (:func:`budget_edge`: one more spec run per such trace).
+BUDGET_EDGE_SHARE = 0.3
 EDGE_MAX_PROMPT = 300  # (a longer prompt is a slow trace: thousands of chunked-prefill steps)
 
 
@@ -452,6 +458,51 @@ def _edge_prompts(rng: random.Random, cfg: dict[str, Any], requests: list[TraceR
     n = rng.choice(limits) - rng.randint(0, 1)
     out[i] = replace(r, prompt_len=n, prefix_len=min(r.prefix_len, n))
     return out
+
+
+def budget_edge(trace: Trace, rng: random.Random) -> Trace:
+    """A step whose token budget an admission fills exactly, or overflows by one token.
+
+    The spec runs ``trace`` (decisions only); in each step the budget left before an admitted
+    request ``x`` is ``max_num_batched_tokens`` minus the tokens batched ahead of it (running
+    requests first, then admissions in order), and its slack is what ``x`` leaves of it.  One
+    such ``x`` with slack is picked and either ``x``'s own prompt grows by the slack (or the
+    slack + 1), or, when the step admitted another request ``y`` just before ``x``, ``y``'s
+    prompt does: the run before the grown request's arrival is unchanged and its prompt keeps
+    its tokens (a longer one only appends), so at that step ``x`` asks for exactly the budget
+    left (admitted whole) or one token more (cut, or refused without chunking).  The second
+    form keeps ``x`` as it is, so the exact fit meets whatever ``x`` asked for (a padded
+    speculative admission's ``1 + K`` tokens, a resumed request's recompute).  Budget
+    comparisons flip there (ADMIT.*, BUDGET.*, ``no_chunking_cap``, ``prefill_chunking``,
+    SPEC.PAD_ADMISSION), which uniform prompt draws hit about once in the budget's size.
+    Prompts stay within :data:`EDGE_MAX_PROMPT` and the context; the trace is unchanged when
+    no admission qualifies or the run does not finish."""
+    from spec.protocol import StepLimitError, drive
+    from spec.scheduler import SpecEngine
+
+    config = resolve(trace.config)
+    try:
+        records = drive(SpecEngine.from_trace(trace, check_invariants=False, record_level="decisions",
+                                              record_state=False), trace, config.max_steps)
+    except StepLimitError:
+        return trace
+    by_id = {r.id: r for r in trace.requests}
+    longest = min(EDGE_MAX_PROMPT, config.max_model_len - 1)
+    found = []
+    for rec in records:
+        spent, admitted, before = 0, set(rec.new) | set(rec.resumed), None
+        for rid, n in rec.scheduled:
+            slack = config.max_num_batched_tokens - spent - n
+            spent += n
+            for grow in (rid if rid in admitted else None, before):  # x itself, or the admission before it
+                r = by_id.get(grow)
+                if r is not None and r.prompt is None and slack > 0 and r.prompt_len + slack + 1 <= longest:
+                    found.append((grow, r.prompt_len + slack + rng.randint(0, 1)))
+            before = rid if rid in admitted else None
+    if not found:
+        return trace
+    rid, grown = rng.choice(found)
+    return replace(trace, requests=[replace(r, prompt_len=grown) if r.id == rid else r for r in trace.requests])
 
 
 def _uses_slo(cfg: dict[str, Any]) -> bool:

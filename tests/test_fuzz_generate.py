@@ -5,6 +5,7 @@ import collections
 import hashlib
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -159,3 +160,56 @@ def test_edge_traces_put_a_prompt_at_an_arrival_limit_and_show_its_off_by_one():
         plain = sum(replay(random_trace(seed), "gpu", "exact").divergence is not None for seed in range(60))
         edged = sum(replay(random_trace(seed, edges=True), "gpu", "exact").divergence is not None for seed in range(60))
     assert plain == 0 and edged >= 5, (plain, edged)
+
+
+def _exact_fits(trace) -> int:
+    """Admissions in the spec's run of ``trace`` that end exactly on their step's token budget."""
+    from spec.protocol import drive
+    from spec.scheduler import SpecEngine
+
+    config = resolve(trace.config)
+    records = drive(SpecEngine.from_trace(trace, check_invariants=False), trace, config.max_steps)
+    fits = 0
+    for rec in records:
+        spent = 0
+        for rid, n in rec.scheduled:
+            spent += n
+            fits += rid in rec.new and spent == config.max_num_batched_tokens
+    return fits
+
+
+def test_budget_edge_grows_one_prompt_to_fill_a_steps_budget_and_shows_the_exact_fit_off_by_one():
+    """``budget_edge=True`` grows one admitted request's prompt (or the admission's before it) by
+    its step's spare budget: only that prompt changes, it only grows, and the spec's runs of the
+    shaped traces end admissions exactly on the budget more often.  With the unchunked
+    admission's ``c <= left`` planted as ``c < left`` (an exact fit refused), 60 plain traces
+    show nothing and the same seeds shaped show it."""
+    from fuzz.replay import replay
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import mutation_score as ms
+    import gpu_engine.formulas as F
+
+    pairs = [(random_trace(seed, enable_chunked_prefill=False), random_trace(seed, enable_chunked_prefill=False,
+                                                                              budget_edge=True)) for seed in range(60)]
+    for plain, shaped in pairs:
+        moved = [(a, b) for a, b in zip(plain.requests, shaped.requests) if a != b]
+        assert len(moved) <= 1 and plain.config == shaped.config
+        for a, b in moved:
+            assert b.prompt_len > a.prompt_len and replace(b, prompt_len=a.prompt_len) == a
+    assert sum(a != b for a, b in pairs) >= 15
+    assert sum(map(_exact_fits, (b for _, b in pairs))) >= sum(map(_exact_fits, (a for a, _ in pairs))) + 4
+    assert random_trace(7, budget_edge=True) == random_trace(7, budget_edge=True)
+
+    patches = (ms.source_patch(F, "admission", "ok = ok & (c <= left)", "ok = ok & (c < left)")
+               + ms.source_patch(F, "admission_walk", "(chunked or c <= left)", "(chunked or c < left)"))
+    saved = [(o, n, o.__dict__[n]) for o, n, _ in patches]
+    try:
+        for o, n, v in patches:
+            setattr(o, n, v)
+        plain = sum(replay(a, "gpu", "exact").divergence is not None for a, _ in pairs)
+        shaped = sum(replay(b, "gpu", "exact").divergence is not None for _, b in pairs)
+    finally:
+        for o, n, v in saved:
+            setattr(o, n, v)
+    assert plain == 0 and shaped >= 3, (plain, shaped)

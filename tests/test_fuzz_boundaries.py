@@ -1,0 +1,98 @@
+"""Budget comparisons at their exact fit (issue 18): a share of a campaign's traces grow one prompt to
+fill a step's token budget exactly (``fuzz.generate.budget_edge``), and a report whose request the spec
+admitted with exactly the budget left names the gate that compares the two (``fuzz.diff.budget_fit_blame``).
+
+An operator sweep of gpu_engine's formulas, pools and engine found the exact-fit comparisons
+(``c <= left`` and its kin) among those that took hundreds of traces to show."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from fuzz.corpus import group_signature
+from fuzz.diff import budget_fit_blame
+from fuzz.generate import BUDGET_EDGE_SHARE, random_trace
+from fuzz.replay import replay
+from spec.formats import StepRecord
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import mutation_score as ms  # noqa: E402  (its planting mechanism)
+
+UNCHUNKED = {"enable_chunked_prefill": False, "max_num_batched_tokens": 64, "max_model_len": 64}
+
+
+def _records(budget_left_for_b: int) -> tuple[StepRecord, StepRecord]:
+    """Spec: ``a`` decodes (1 token), ``b`` is admitted with ``budget_left_for_b`` tokens; engine: ``a`` only."""
+    spec = StepRecord(step=4, scheduled=[("a", 1), ("b", budget_left_for_b)], new=["b"])
+    engine = StepRecord(step=4, scheduled=[("a", 1)])
+    return spec, engine
+
+
+@pytest.mark.parametrize("config,rule", [
+    (UNCHUNKED, "ADMIT.NO_CHUNKING"),
+    ({"max_num_batched_tokens": 64, "max_model_len": 64}, "BUDGET.TOKENS"),
+    ({"max_num_batched_tokens": 64, "max_model_len": 64, "prefill_chunking": "first-continues",
+      "batching": "prefill-first"}, "BUDGET.TOKENS"),
+])
+def test_an_admission_that_ends_on_the_budget_names_the_gate_that_compares_them(config, rule):
+    """``b``'s 63 tokens after ``a``'s decode end exactly on the budget of 64: the engine leaving it out
+    names the configured gate (``b`` is the batch's first admission, so first-continues does not apply);
+    62 tokens (budget to spare), a specific cause already named, or the engine giving ``b`` the same
+    tokens name nothing."""
+    spec, engine = _records(63)
+    for generic in ("ADMIT.NEW", "BUDGET.TOKENS", None):
+        assert budget_fit_blame(generic, "scheduled", spec, engine, "b", config) == rule
+    assert budget_fit_blame("CACHE.HIT", "scheduled", spec, engine, "b", config) is None
+    spare, engine_spare = _records(62)
+    assert budget_fit_blame("ADMIT.NEW", "scheduled", spare, engine_spare, "b", config) is None
+    same = StepRecord(step=4, scheduled=[("a", 1), ("b", 63)], new=["b"])
+    assert budget_fit_blame("ADMIT.NEW", "scheduled", spec, same, "b", config) is None
+
+
+def test_behind_the_batchs_first_admission_first_continues_names_its_own_gate():
+    config = {"max_num_batched_tokens": 64, "max_model_len": 64, "prefill_chunking": "first-continues",
+              "batching": "prefill-first"}
+    spec = StepRecord(step=2, scheduled=[("a", 40), ("b", 24)], new=["a", "b"])
+    engine = StepRecord(step=2, scheduled=[("a", 40)], new=["a"])
+    assert budget_fit_blame("ADMIT.NEW", "new", spec, engine, "b", config) == "ADMIT.CHUNK_ONLY_FIRST"
+
+
+def test_a_campaign_grows_a_prompt_to_a_budget_edge_in_a_share_of_its_plain_traces():
+    """fuzz.generate.BUDGET_EDGE_SHARE of the traces not shaped towards an interaction take
+    ``budget_edge`` (a hash of seed and trace number: any worker count draws the same); shaped ones never."""
+    from fuzz.campaign import CampaignConfig, campaign_envelope, trace_options
+
+    cfg = CampaignConfig(seed=3)
+    env = campaign_envelope(cfg)
+    options = [trace_options(cfg, k, [], env, []) for k in range(400)]
+    plain = [o for o in options if "interaction" not in o]
+    drawn = sum(bool(o.get("budget_edge")) for o in plain)
+    assert abs(drawn - BUDGET_EDGE_SHARE * len(plain)) <= 0.1 * len(plain) + 5, (drawn, len(plain))
+    assert not any(o.get("budget_edge") for o in options if "interaction" in o)
+    assert options == [trace_options(cfg, k, [], env, []) for k in range(400)]
+
+
+@pytest.mark.parametrize("name,options", [
+    ("admission_exact_fit_refused", {"enable_chunked_prefill": False}),
+    ("chunk_only_first_exact_refused", {"prefill_chunking": "first-continues", "batching": "prefill-first",
+                                        "enable_chunked_prefill": True, "long_prefill_token_threshold": 0}),
+])
+def test_budget_edge_traces_show_an_exact_fit_refused_under_the_gates_name(name, options):
+    """With the exact fit refused planted, a budget-edge trace diverges within 80 seeds, the same trace
+    agrees unplanted, and its report names the gate at fault (mutation_score.AT_FAULT).  (No per-request
+    cap here: a capped request's uncapped tokens, which first-continues compares, are not in the log.)"""
+    mutant = next(m for m in ms.MUTANTS if m.name == name)
+    found = None
+    with ms.planted(mutant):
+        for seed in range(80):
+            trace = random_trace(seed, budget_edge=True, **options)
+            result = replay(trace, "gpu", "exact")
+            if result.divergence is not None:
+                found = (trace, group_signature(result)[2], result.divergence.rule)
+                break
+    assert found is not None, f"{name}: no divergence in 80 budget-edge traces"
+    trace, grouped, replayed = found
+    assert grouped in ms.AT_FAULT[name] and replayed in ms.AT_FAULT[name], (grouped, replayed)
+    assert replay(trace, "gpu", "exact").divergence is None
