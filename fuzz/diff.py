@@ -581,7 +581,7 @@ def budget_fit_blame(rule: str | None, name: str, spec: StepRecord | None, engin
     this step with exactly the step's token budget left for it (the batch's tokens through it
     end on ``max_num_batched_tokens``), that the engine scheduled otherwise.  Whether a request
     asking for exactly what is left gets it is the gate's comparison: ``ADMIT.NO_CHUNKING`` with
-    chunked prefill off, ``ADMIT.CHUNK_ONLY_FIRST`` behind the batch's first under
+    chunked prefill off, ``ADMIT.CHUNK_ONLY_FIRST`` behind the batch's first entry under
     ``prefill_chunking=first-continues``, else the token budget (``BUDGET.TOKENS``).  None otherwise
     (also for a request cut by a per-request cap: the uncapped tokens a gate compares are not logged)."""
     if rule not in _GENERIC_BUDGET or name not in _BUDGETED or spec is None or engine is None or request is None \
@@ -596,18 +596,16 @@ def budget_fit_blame(rule: str | None, name: str, spec: StepRecord | None, engin
         cfg = resolve(config)
     except (ConfigError, TypeError, ValueError):
         return None
-    spent, first = 0, None
+    spent = 0
     for rid, n in spec.scheduled:
         spent += n
-        if first is None and rid in list(spec.new) + list(spec.resumed):
-            first = rid
         if rid == request:
             break
     if spent != cfg.max_num_batched_tokens:
         return None
     if not cfg.enable_chunked_prefill:
         return "ADMIT.NO_CHUNKING"
-    if cfg.prefill_chunking == "first-continues" and first != request:
+    if cfg.prefill_chunking == "first-continues" and spec.scheduled[0][0] != request:  # (prefill-first: a batch of prefills)
         return "ADMIT.CHUNK_ONLY_FIRST"
     return "BUDGET.TOKENS"
 

@@ -34,12 +34,11 @@ def _records(budget_left_for_b: int) -> tuple[StepRecord, StepRecord]:
     (UNCHUNKED, "ADMIT.NO_CHUNKING"),
     ({"max_num_batched_tokens": 64, "max_model_len": 64}, "BUDGET.TOKENS"),
     ({"max_num_batched_tokens": 64, "max_model_len": 64, "prefill_chunking": "first-continues",
-      "batching": "prefill-first"}, "BUDGET.TOKENS"),
+      "batching": "prefill-first"}, "ADMIT.CHUNK_ONLY_FIRST"),
 ])
 def test_an_admission_that_ends_on_the_budget_names_the_gate_that_compares_them(config, rule):
-    """``b``'s 63 tokens after ``a``'s decode end exactly on the budget of 64: the engine leaving it out
-    names the configured gate (``b`` is the batch's first admission, so first-continues does not apply);
-    62 tokens (budget to spare), a specific cause already named, or the engine giving ``b`` the same
+    """``b``'s 63 tokens after ``a``'s 1 end exactly on the budget of 64: the engine leaving it out
+    names the configured gate (first-continues: ``b`` is behind the batch's first entry); 62 tokens (budget to spare), a specific cause already named, or the engine giving ``b`` the same
     tokens name nothing."""
     spec, engine = _records(63)
     for generic in ("ADMIT.NEW", "BUDGET.TOKENS", None):
@@ -51,12 +50,17 @@ def test_an_admission_that_ends_on_the_budget_names_the_gate_that_compares_them(
     assert budget_fit_blame("ADMIT.NEW", "scheduled", spec, same, "b", config) is None
 
 
-def test_behind_the_batchs_first_admission_first_continues_names_its_own_gate():
+def test_the_batchs_first_entry_is_held_to_the_budget_alone_under_first_continues():
+    """First-continues lets the batch's first prefill be cut: when it is the one that ends on the
+    budget, the token budget decided it, not the chunk-only-first gate."""
     config = {"max_num_batched_tokens": 64, "max_model_len": 64, "prefill_chunking": "first-continues",
               "batching": "prefill-first"}
-    spec = StepRecord(step=2, scheduled=[("a", 40), ("b", 24)], new=["a", "b"])
-    engine = StepRecord(step=2, scheduled=[("a", 40)], new=["a"])
-    assert budget_fit_blame("ADMIT.NEW", "new", spec, engine, "b", config) == "ADMIT.CHUNK_ONLY_FIRST"
+    spec = StepRecord(step=2, scheduled=[("a", 64)], new=["a"])
+    engine = StepRecord(step=2, scheduled=[("a", 60)], new=["a"])
+    assert budget_fit_blame("ADMIT.NEW", "scheduled", spec, engine, "a", config) == "BUDGET.TOKENS"
+    behind = StepRecord(step=2, scheduled=[("a", 40), ("b", 24)], new=["a", "b"])
+    assert budget_fit_blame("ADMIT.NEW", "new", behind, StepRecord(step=2, scheduled=[("a", 40)], new=["a"]), "b",
+                            config) == "ADMIT.CHUNK_ONLY_FIRST"
 
 
 def test_a_campaign_grows_a_prompt_to_a_budget_edge_in_a_share_of_its_plain_traces():
