@@ -584,6 +584,23 @@ BOUNDARY_MUTANTS = [
            "blocks re-enter the head earlier request first, not last", _free_order_unsorted),
 ]
 
+# one-liners after bugs of the real-bug catalogue that no mutant stood for yet (VLLM-06, VLLM-07, TRT-03,
+# SGL-07, SGL-08, SGL-11)
+CATALOGUE_MUTANTS = [
+    Mutant("extra_victim", "VLLM-07", "a failed allocation preempts one victim more than it needs",
+           _one_line(F, "victims_needed", "j = min(fits, self_pos)", "j = min(fits + 1, self_pos)")),
+    Mutant("abort_running_leaks_blocks", "TRT-03, SGL-07", "aborting a running request does not free its blocks",
+           _one_line(Scheduler, "abort", "self._free_tables(self.be.asarray([s]))", "pass")),
+    Mutant("abort_waiting_still_queued", "SGL-08", "an aborted waiting request stays in the waiting queue",
+           _one_line(Scheduler, "abort", "self.queue_key[s] = INF_KEY", "pass")),
+    Mutant("room_counts_waiting", "VLLM-06", "admission counts the waiting requests against max_num_seqs too",
+           _one_line(Scheduler, "_room", "(scheduled if self.step_scope else len(self.running))",
+                     "(scheduled if self.step_scope else len(self.running) + self.num_waiting)")),
+    Mutant("context_stop_one_short", "SGL-11", "the host stop check ends a request one token before max_model_len",
+           _one_line(Scheduler, "_append_checked", "if ntok >= self.config.max_model_len:",
+                     "if ntok >= self.config.max_model_len - 1:")),
+]
+
 MUTANTS = [
     Mutant("block_off_by_one", "VLLM-17, ATOM#250", "a growing request gets one block too few at a block boundary", _block_off_by_one),
     Mutant("no_reset_on_preempt", "LMD-02, VLLM-13", "a preempted request keeps its computed-token count", _no_reset_on_preempt),
@@ -616,7 +633,8 @@ MUTANTS = [
            "one token early", _chunk_after_hit_off_by_one, "chunked-prefill x prefix-hit"),
     Mutant("retraction_drops_prefix", "SGL retract", "a retracted request's cached prefix leaves the prefix cache at once",
            _retraction_drops_prefix, "retraction x eviction"),
-] + BLIND_SPOT_MUTANTS + ROUND3_MUTANTS + ROUND4_MUTANTS + UNSEEN_PATH_MUTANTS + COMBINATION_MUTANTS + BOUNDARY_MUTANTS
+] + (BLIND_SPOT_MUTANTS + ROUND3_MUTANTS + ROUND4_MUTANTS + UNSEEN_PATH_MUTANTS + COMBINATION_MUTANTS + BOUNDARY_MUTANTS
+     + CATALOGUE_MUTANTS)
 
 
 @contextlib.contextmanager
@@ -750,6 +768,11 @@ AT_FAULT: dict[str, tuple[str, ...]] = {
     "swap_in_full_exact_refused": ("SWAP.IN",),
     "at_risk_exact_refused": ("EDF.AT_RISK_FIRST",),
     "free_order_unsorted": ("KV.FREE_ORDER",),
+    "extra_victim": ("RUN.PREEMPT_FOR_BLOCKS",),
+    "abort_running_leaks_blocks": ("ABORT.FREE",),
+    "abort_waiting_still_queued": ("ABORT.FREE",),
+    "room_counts_waiting": ("ADMIT.MAX_NUM_SEQS",),
+    "context_stop_one_short": ("STOP.LENGTH",),
 }
 
 

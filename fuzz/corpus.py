@@ -340,7 +340,8 @@ def group_signature(result: ReplayResult) -> Signature:
             return (div.kind, name, _cause_rule(spec, request, name) or _stop_rule(eng, request) or "-")
         if name in _CAUSE_FAMILIES:  # only a rule that decides this field names it (else "-", not an unrelated one)
             own = as_configured(field_rule(name, spec, eng, request), config) if spec and eng else None
-            return (div.kind, name, _cause_rule(spec, request, name) or own or "-")
+            rule = _cause_rule(spec, request, name) or own or _victim_count_rule(name, spec, eng)
+            return (div.kind, name, rule or "-")
         giveback = budget_giveback_rule(spec, request)  # the budget this request got came from a victim's tokens
         previous = next((r for r in reversed(result.spec_records) if r.step < div.step), None)
         before = [r for r in result.spec_records if r.step < div.step]
@@ -378,6 +379,17 @@ def _stop_rule(record, request: str | None) -> str | None:
         if rid == request:
             return _STOP_RULES.get(why)
     return None
+
+
+def _victim_count_rule(name: str, spec, engine) -> str | None:
+    """The rule that decides how many victims a step takes, when the engine preempted the spec's
+    victims and more (the extra one has no reason of its own in the spec's record): the step's
+    retraction rule under SGLang's retraction, else ``RUN.PREEMPT_FOR_BLOCKS`` (victims are taken
+    only until the request that needs blocks gets them)."""
+    if name != "preempted" or spec is None or engine is None or not set(spec.preempted) < set(engine.preempted):
+        return None
+    retract = next((r["rule"] for r in spec.reasons or () if str(r.get("rule", "")).startswith("RETRACT.")), None)
+    return retract or "RUN.PREEMPT_FOR_BLOCKS"
 
 
 def _cause_rule(record, request: str | None, field_name: str) -> str | None:

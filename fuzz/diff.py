@@ -388,11 +388,14 @@ def ref_rule(spec: StepRecord, engine: StepRecord | None, history: list[StepReco
     before = (history[-1].block_ids if history else None) or {}
     now = spec.block_ids or {}
     hits = spec.hit_blocks or {}
+    taken = _held(spec)
     for key in odd:
         block, extra = int(key), theirs.get(key, 0) > ours.get(key, 0)
         for rid, rule, how in _releasers(spec, before, block):
-            if extra and any(str(b) not in odd for b in before[rid] if b != block):
-                continue  # its release dropped its other blocks' references: this one's extra came from elsewhere
+            # its release dropped its other blocks' references (those no one took again in this step):
+            # this one's extra came from elsewhere
+            if extra and any(str(b) not in odd and b not in taken for b in before[rid] if b != block):
+                continue
             return rule, rid, f"block {block} was held by {rid}, {how} in this step"
         for rid in (r for r, ids in now.items() if block in ids):
             if block in hits.get(rid, ()):
@@ -667,9 +670,14 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
     * ``scheduled`` / ``new`` / ``resumed`` where the spec's SLO admission control deferred a request
       (``history``: the spec's records before this step) that the engine took ahead of the spec's pick,
       or deferred one in this very step, admitted more than the engine and took neither side's head:
-      the deferral re-ordered the queue (``SLO.DEFER``) — an engine that never defers blocks on it."""
+      the deferral re-ordered the queue (``SLO.DEFER``) — an engine that never defers blocks on it;
+    * any of ``scheduled`` / ``new`` / ``resumed`` in a step that began with aborts of requests holding
+      blocks, the engine ending it with fewer free blocks than the spec, short by no more than those
+      requests held: the aborts' release (``ABORT.FREE``), which the step's batch was built after."""
     if spec is None or engine is None or request is None:
         return None
+    if name in _BUDGETED and _abort_freed_less(spec, engine, previous):
+        return "ABORT.FREE"
     if name in _BUDGETED and _deferral_decided(spec, engine, request, history):
         return "SLO.DEFER"
     if name in _BUDGETED and previous is not None and request in list(spec.new) + list(spec.resumed) \
@@ -711,6 +719,18 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
         if (spec.resumed and engine.resumed) or (request in engine.resumed and request not in considered):
             return "QUEUE.VICTIM_TO_FRONT"  # (the spec never reached it this step: another victim was ahead)
     return None
+
+
+def _abort_freed_less(spec: StepRecord, engine: StepRecord, previous: StepRecord | None) -> bool:
+    """Whether this step's aborts (the same on both sides) let the engine keep blocks the spec freed:
+    the aborted requests held blocks at the previous step's end, and the engine ends this step with
+    fewer free blocks than the spec, short by at most what they held."""
+    if not spec.aborted or list(spec.aborted) != list(engine.aborted) or previous is None or not previous.blocks:
+        return False
+    if spec.num_free_blocks is None or engine.num_free_blocks is None:
+        return False
+    held = sum(previous.blocks.get(rid, 0) for rid in spec.aborted)
+    return 0 < spec.num_free_blocks - engine.num_free_blocks <= held
 
 
 def _deferral_decided(spec: StepRecord, engine: StepRecord, request: str, history: Iterable[StepRecord]) -> bool:
