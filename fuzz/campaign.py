@@ -388,7 +388,7 @@ def _run_task(task: Task, on_detect: OnDetect | None) -> Outcome:
             out.seconds = time.perf_counter() - t0
             return out
         # candidates diverge early or not at all: cap their steps near the original divergence
-        limit = MAX_STEPS if sig[0] in ("non-termination", "livelock") else min(MAX_STEPS, 2 * result.divergence.step + 200)
+        limit = MAX_STEPS if sig[0] == "non-termination" else min(MAX_STEPS, 2 * result.divergence.step + 200)
 
         def same(t: Trace) -> bool:
             # the same kind of divergence, anywhere: shrinking then leads the manifestations of one
@@ -397,7 +397,8 @@ def _run_task(task: Task, on_detect: OnDetect | None) -> Outcome:
             # one located in the engine's code (exception type and line) shrinks to that same crash.
             if task.envelope is not None and not task.envelope.admits(t.config):
                 return False
-            r = task_replay(task, dataclasses.replace(t, config={**t.config, "max_steps": limit}), shrinking=True,
+            steps = livelock_limit(t, result.divergence.step) if sig[0] == "livelock" else limit
+            r = task_replay(task, dataclasses.replace(t, config={**t.config, "max_steps": steps}), shrinking=True,
                             livelocks=sig[0] == "livelock")
             if sig[0] in (SPAN, TOKENS):  # the replay agrees; the fast path, or the model's tokens, do not
                 return r.agreed and not with_off_replay_check(r, sig[0]).agreed
@@ -457,6 +458,16 @@ def model_check_trace(trace: Trace) -> Trace | None:
 #: Built-in engines: the spec's own decisions re-implemented (a stall they share with the spec is the
 #: spec's modelled behaviour, e.g. vLLM's); any other engine's livelock is a finding even when shared.
 BUILT_IN_ENGINES = frozenset({"spec", "gpu", "gpu-model", "reference"})
+def livelock_limit(trace: Trace, cycle_start: int) -> int:
+    """The step limit a shrinking candidate of a livelock runs to: past its last arrival or abort
+    and twice the original cycle's first step, room for :func:`fuzz.triage.find_livelock`'s longest
+    cycle three times over and more (its 3,000-step default made each candidate of a leak that
+    livelocks cost a second).  The shrunk trace is replayed to its own limit for the report."""
+    events = [r.arrival_step or 0 for r in trace.requests] + [r.abort_at for r in trace.requests if r.abort_at is not None]
+    return min(MAX_STEPS, max([2 * cycle_start, *events]) + LIVELOCK_MARGIN)
+
+
+LIVELOCK_MARGIN = 400  # steps past the last event: 3 cycles of find_livelock's longest period (64), and room
 SHRINK_STEP_SECONDS = 2.0  # while shrinking a hang, a call this long is the hang again (not the full limit)
 
 
