@@ -564,17 +564,13 @@ def _free_order_unsorted():
 
 # an operator sweep of the formulas, the pools and the engine (every <, <=, ==, +-1, and/or in them,
 # 159 one-line mutants): the comparisons that decide at an exact fit survived hundreds of traces or
-# took seconds to a minute; free_order's survived only because the sweep patched the formulas
-# module while block_pool binds the function by name
+# took seconds to a minute (first-continues' is round 5's chunk_only_first_inclusive); free_order's
+# survived only because the sweep patched the formulas module while block_pool binds it by name
 BOUNDARY_MUTANTS = [
     Mutant("admission_exact_fit_refused", "TRT-01, VLLM-16", "chunked prefill off: a request whose tokens exactly "
            "fill the budget left is refused", lambda: source_patch(F, "admission", "ok = ok & (c <= left)",
                                                                   "ok = ok & (c < left)")
            + source_patch(F, "admission_walk", "(chunked or c <= left)", "(chunked or c < left)")),
-    Mutant("chunk_only_first_exact_refused", "nano-vllm chunk-only-first", "prefill_chunking=first-continues: a "
-           "request behind the batch's first that exactly fills the budget left is refused",
-           _one_line(Scheduler, "_first_cut_only", "return xp.first_true(behind & (rest > left))",
-                     "return xp.first_true(behind & (rest >= left))")),
     Mutant("swap_in_full_exact_refused", "VLLM V0 swap", "full-sequence swap-in refuses a request whose whole "
            "sequence exactly fits the free blocks", _one_line(F, "swap_in", "block_size) + wm <= seen_free)",
                                                               "block_size) + wm < seen_free)")),
@@ -764,7 +760,6 @@ AT_FAULT: dict[str, tuple[str, ...]] = {
     "slo_admission_continuous_only": ("SLO.DEFER", "SLO.REFUSE", "SLO.FEASIBLE"),
     "vtc_stale_finish_keeps_waiting": ("VTC.LIFT", "VTC.PICK"),  # (a tenant left backlogged: as vtc_grown_tenant_waiting)
     "admission_exact_fit_refused": ("ADMIT.NO_CHUNKING",),
-    "chunk_only_first_exact_refused": ("ADMIT.CHUNK_ONLY_FIRST",),
     "swap_in_full_exact_refused": ("SWAP.IN",),
     "at_risk_exact_refused": ("EDF.AT_RISK_FIRST",),
     "free_order_unsorted": ("KV.FREE_ORDER",),

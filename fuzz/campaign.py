@@ -458,16 +458,18 @@ def model_check_trace(trace: Trace) -> Trace | None:
 #: Built-in engines: the spec's own decisions re-implemented (a stall they share with the spec is the
 #: spec's modelled behaviour, e.g. vLLM's); any other engine's livelock is a finding even when shared.
 BUILT_IN_ENGINES = frozenset({"spec", "gpu", "gpu-model", "reference"})
+LIVELOCK_MARGIN = 400  # steps past the last event: 3 cycles of find_livelock's longest period (64), and room
+
+
 def livelock_limit(trace: Trace, cycle_start: int) -> int:
     """The step limit a shrinking candidate of a livelock runs to: past its last arrival or abort
     and twice the original cycle's first step, room for :func:`fuzz.triage.find_livelock`'s longest
     cycle three times over and more (its 3,000-step default made each candidate of a leak that
     livelocks cost a second).  The shrunk trace is replayed to its own limit for the report."""
-    events = [r.arrival_step or 0 for r in trace.requests] + [r.abort_at for r in trace.requests if r.abort_at is not None]
+    events = [r.arrival_step or 0 for r in trace.requests] + [r.abort_at or 0 for r in trace.requests]
     return min(MAX_STEPS, max([2 * cycle_start, *events]) + LIVELOCK_MARGIN)
 
 
-LIVELOCK_MARGIN = 400  # steps past the last event: 3 cycles of find_livelock's longest period (64), and room
 SHRINK_STEP_SECONDS = 2.0  # while shrinking a hang, a call this long is the hang again (not the full limit)
 
 

@@ -608,7 +608,7 @@ def budget_fit_blame(rule: str | None, name: str, spec: StepRecord | None, engin
         return None
     if not cfg.enable_chunked_prefill:
         return "ADMIT.NO_CHUNKING"
-    if cfg.prefill_chunking == "first-continues" and spec.scheduled[0][0] != request:  # (prefill-first: a batch of prefills)
+    if cfg.prefill_chunking == "first-continues" and spec.scheduled[0][0] != request:  # (a batch of prefills only)
         return "ADMIT.CHUNK_ONLY_FIRST"
     return "BUDGET.TOKENS"
 

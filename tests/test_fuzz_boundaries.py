@@ -80,7 +80,7 @@ def test_a_campaign_grows_a_prompt_to_a_budget_edge_in_a_share_of_its_plain_trac
 
 @pytest.mark.parametrize("name,options", [
     ("admission_exact_fit_refused", {"enable_chunked_prefill": False}),
-    ("chunk_only_first_exact_refused", {"prefill_chunking": "first-continues", "batching": "prefill-first",
+    ("chunk_only_first_inclusive", {"prefill_chunking": "first-continues", "batching": "prefill-first",
                                         "enable_chunked_prefill": True, "long_prefill_token_threshold": 0}),
 ])
 def test_budget_edge_traces_show_an_exact_fit_refused_under_the_gates_name(name, options):
