@@ -581,7 +581,7 @@ BOUNDARY_MUTANTS = [
 ]
 
 # one-liners after bugs of the real-bug catalogue that no mutant stood for yet (VLLM-06, VLLM-07, TRT-03,
-# SGL-07, SGL-08, SGL-11)
+# SGL-07, SGL-08, SGL-11, ASYNC-01)
 CATALOGUE_MUTANTS = [
     Mutant("extra_victim", "VLLM-07", "a failed allocation preempts one victim more than it needs",
            _one_line(F, "victims_needed", "j = min(fits, self_pos)", "j = min(fits + 1, self_pos)")),
@@ -595,6 +595,9 @@ CATALOGUE_MUTANTS = [
     Mutant("context_stop_one_short", "SGL-11", "the host stop check ends a request one token before max_model_len",
            _one_line(Scheduler, "_append_checked", "if ntok >= self.config.max_model_len:",
                      "if ntok >= self.config.max_model_len - 1:")),
+    Mutant("stale_gives_back_placeholder", "ASYNC-01", "async: the stale output of a request preempted since its "
+           "batch was scheduled gives back a placeholder its preemption already zeroed",
+           _one_line(Scheduler, "apply_async", "fresh = smp[~stale]", "fresh = smp")),
 ]
 
 MUTANTS = [
@@ -768,6 +771,7 @@ AT_FAULT: dict[str, tuple[str, ...]] = {
     "abort_waiting_still_queued": ("ABORT.FREE",),
     "room_counts_waiting": ("ADMIT.MAX_NUM_SEQS",),
     "context_stop_one_short": ("STOP.LENGTH",),
+    "stale_gives_back_placeholder": ("ASYNC.STALE_OUTPUT", "ASYNC.PREEMPT_ZEROES_PLACEHOLDERS"),
 }
 
 
