@@ -580,8 +580,8 @@ BOUNDARY_MUTANTS = [
            "blocks re-enter the head earlier request first, not last", _free_order_unsorted),
 ]
 
-# one-liners after bugs of the real-bug catalogue that no mutant stood for yet (VLLM-06, VLLM-07, TRT-03,
-# SGL-07, SGL-08, SGL-11, ASYNC-01)
+# one-liners after bugs of the real-bug catalogue that no mutant stood for yet (VLLM-06, VLLM-07, VLLM-12,
+# TRT-03, SGL-07, SGL-08, SGL-11, LMD-03, ASYNC-01)
 CATALOGUE_MUTANTS = [
     Mutant("extra_victim", "VLLM-07", "a failed allocation preempts one victim more than it needs",
            _one_line(F, "victims_needed", "j = min(fits, self_pos)", "j = min(fits + 1, self_pos)")),
@@ -598,6 +598,12 @@ CATALOGUE_MUTANTS = [
     Mutant("stale_gives_back_placeholder", "ASYNC-01", "async: the stale output of a request preempted since its "
            "batch was scheduled gives back a placeholder its preemption already zeroed",
            _one_line(Scheduler, "apply_async", "fresh = smp[~stale]", "fresh = smp")),
+    Mutant("evictable_not_available", "LMD-03", "admission counts only the free blocks without cached content, not "
+           "the evictable cached ones, as available",
+           _one_line(Scheduler, "_admission", "walk = dict(budget=budget, free=self.pool.num_free,",
+                     "walk = dict(budget=budget, free=self.pool.num_free_uncached(),")),
+    Mutant("finished_stays_running", "VLLM-12", "a request finished by a step's outputs stays in the running list",
+           _one_line(Scheduler, "update", "self.running = self.running[self.status[self.running] == RUNNING]", "pass")),
 ]
 
 MUTANTS = [
@@ -772,6 +778,8 @@ AT_FAULT: dict[str, tuple[str, ...]] = {
     "room_counts_waiting": ("ADMIT.MAX_NUM_SEQS",),
     "context_stop_one_short": ("STOP.LENGTH",),
     "stale_gives_back_placeholder": ("ASYNC.STALE_OUTPUT", "ASYNC.PREEMPT_ZEROES_PLACEHOLDERS"),
+    "evictable_not_available": ("KV.NO_FREE_BLOCKS",),
+    "finished_stays_running": ("STOP.EOS", "STOP.STOP_TOKEN", "STOP.LENGTH"),
 }
 
 

@@ -211,6 +211,10 @@ def _state_divergence(step: int, s: StepRecord | None, e: StepRecord | None, lev
         if name in ("ref_counts", "cached_blocks"):  # a block's references or cache entries: the step's event on it
             rule, who, text = (ref_rule if name == "ref_counts" else cache_rule)(s, e, history())
             return Divergence(step, name, _plain(a), _plain(b), who, rule, text, DECISION, engine, list(s.reasons or []))
+        gone = _still_counted(s, a, b) if name == "computed" else None
+        if gone is not None:  # a request the step ended, still running on the engine's side
+            return Divergence(step, name, _plain(a), _plain(b), gone[0], gone[1], gone[2], DECISION, engine,
+                              list(s.reasons or []))
         request = _involved(name, a, b) if name not in ("vtc_counters", "estimate_rem", "token_cap") else None
         rule, text, context = spec_reason(s, request, name)
         if name == "computed" and request is not None:  # a victim's reset, or a request the spec ended
@@ -233,6 +237,21 @@ def _state_divergence(step: int, s: StepRecord | None, e: StepRecord | None, lev
             rule, text = "CACHE.HIT", f"{request} was admitted with a prefix hit of {s.cache_hits[request]} tokens"
         return Divergence(step, name, _plain(a), _plain(b), request, rule, text, DECISION, engine, context)
     return None
+
+
+def _still_counted(spec: StepRecord, ours: dict, theirs: dict) -> tuple[str, str, str] | None:
+    """``(request, rule, why)`` when the engine's computed tokens still count a request the spec's
+    step finished or aborted: under its id, or under no id at all (an engine that released the
+    request's name but kept its slot running).  The rule is the one that ended it."""
+    ended = [rid for rid, _ in spec.finished] + list(spec.aborted)
+    extra = [k for k in theirs if k not in ours and (k is None or k in ended)]
+    if not extra or not ended:
+        return None
+    rid = extra[0] if extra[0] is not None else ended[0]
+    rule = ended_rule([spec], rid)
+    if rule is None:
+        return None
+    return rid, rule, f"the spec's step ended {rid} ({rule}); the engine still counts it as running"
 
 
 def _differing_tenants(a: dict, b: dict) -> list[str]:

@@ -90,3 +90,20 @@ def test_a_campaign_reports_a_leak_that_livelocks_under_the_abort(tmp_path):
     assert len(state.findings) == 1
     (name, finding), = state.findings.items()
     assert finding["signature"][0] == "livelock" and finding["signature"][2] == "ABORT.FREE", finding["signature"]
+
+
+def test_a_request_the_step_ended_but_the_engine_still_counts_names_the_rule_that_ended_it():
+    """VLLM-12's shape: r0 finished by length in this step; the engine's computed tokens still count a
+    running slot (its name released: key None).  The report names STOP.LENGTH; an extra entry that is
+    another request (an admission the spec did not make) is not blamed on the finish."""
+    from fuzz.diff import _state_divergence
+
+    spec = StepRecord(step=3, scheduled=[("r0", 1), ("r1", 4)], finished=[("r0", "max_tokens")], computed={"r1": 31},
+                      reasons=[{"rule": "STOP.LENGTH", "request": "r0"}])
+    engine = StepRecord(step=3, scheduled=[("r0", 1), ("r1", 4)], finished=[("r0", "max_tokens")],
+                        computed={None: 14, "r1": 31})
+    found = _state_divergence(3, spec, engine, "exact", "gpu")
+    assert (found.field, found.request, found.rule) == ("computed", "r0", "STOP.LENGTH")
+    other = StepRecord(step=3, scheduled=[("r0", 1), ("r1", 4)], finished=[("r0", "max_tokens")],
+                       computed={"r2": 5, "r1": 31})
+    assert _state_divergence(3, spec, other, "exact", "gpu").rule != "STOP.LENGTH"
