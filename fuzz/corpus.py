@@ -307,7 +307,7 @@ def group_signature(result: ReplayResult) -> Signature:
     spec's value (:func:`fuzz.diff.memory_rule`: a preemption's release, an abort, a prefix hit, an
     allocation), not the rule for what the request involved did in that step (``ADMIT.NEW``,
     ``RUN.PREFILL_CHUNK``), which is as incidental to a block-accounting bug as its id."""
-    from fuzz.diff import (DECISION, _involved, _value, as_configured, budget_fit_blame, budget_giveback_rule,
+    from fuzz.diff import (DECISION, _involved, _value, as_configured, budget_giveback_rule, configured_rule,
                            decision_cause, field_rule, ghost, hit_differs, spec_reason)
     from fuzz.shrink import signature
     from spec.formats import StepRecord, fields_at
@@ -345,16 +345,15 @@ def group_signature(result: ReplayResult) -> Signature:
         giveback = budget_giveback_rule(spec, request)  # the budget this request got came from a victim's tokens
         previous = next((r for r in reversed(result.spec_records) if r.step < div.step), None)
         before = [r for r in result.spec_records if r.step < div.step]
-        cause = giveback[0] if giveback else as_configured(decision_cause(name, spec, eng, request, previous, before),
-                                                           config)
+        cause = giveback[0] if giveback else decision_cause(name, spec, eng, request, previous, before)
         cause = cause or spec_reason(spec, request, name)[0]
-        return (div.kind, name, budget_fit_blame(cause, name, spec, eng, request, config) or cause or "-")
+        return (div.kind, name, configured_rule(cause, name, spec, eng, request, config) or "-")
     if div.field in _MEMORY_FIELDS:  # the memory event behind the spec's value (fuzz.diff.memory_rule)
-        from fuzz.diff import as_configured, leaf_eviction_blame, memory_rule
+        from fuzz.diff import configured_rule, memory_rule
 
         history = [r for r in result.spec_records if r.step < div.step]
-        rule = leaf_eviction_blame(div.field, spec, eng, result.trace.config) or \
-            as_configured(memory_rule(div.field, spec, eng, div.request, history)[0], result.trace.config)
+        rule = configured_rule(memory_rule(div.field, spec, eng, div.request, history)[0], div.field, spec, eng,
+                               div.request, result.trace.config)
         return (div.kind, div.field, rule or "-")
     return signature(div)
 

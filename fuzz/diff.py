@@ -632,6 +632,16 @@ def budget_fit_blame(rule: str | None, name: str, spec: StepRecord | None, engin
     return "BUDGET.TOKENS"
 
 
+def configured_rule(rule: str | None, name: str, spec: StepRecord | None, engine: StepRecord | None,
+                    request: str | None, config: dict[str, Any]) -> str | None:
+    """The rule a report names for field ``name``, once the trace's configuration is known (a
+    record-level blame sees none): block ids after another radix-tree eviction
+    (:func:`leaf_eviction_blame`), an admission that ended exactly on the budget
+    (:func:`budget_fit_blame`), else ``rule`` as the configuration spells it (:func:`as_configured`)."""
+    return leaf_eviction_blame(name, spec, engine, config) or \
+        budget_fit_blame(rule, name, spec, engine, request, config) or as_configured(rule, config)
+
+
 def ended_rule(history: Iterable[StepRecord], request: str | None) -> str | None:
     """The spec rule that ended ``request`` before this step (it was aborted, rejected or finished in
     the spec's ``history``), or None: an engine that still runs it broke that rule, whatever the

@@ -477,15 +477,10 @@ def budget_edge(trace: Trace, rng: random.Random) -> Trace:
     SPEC.PAD_ADMISSION), which uniform prompt draws hit about once in the budget's size.
     Prompts stay within :data:`EDGE_MAX_PROMPT` and the context; the trace is unchanged when
     no admission qualifies or the run does not finish."""
-    from spec.protocol import StepLimitError, drive
-    from spec.scheduler import SpecEngine
+    from fuzz.pairs import spec_run
 
     config = resolve(trace.config)
-    try:
-        records = drive(SpecEngine.from_trace(trace, check_invariants=False, record_level="decisions",
-                                              record_state=False), trace, config.max_steps)
-    except StepLimitError:
-        return trace
+    records = spec_run(trace, decisions_only=True)
     by_id = {r.id: r for r in trace.requests}
     longest = min(EDGE_MAX_PROMPT, config.max_model_len - 1)
     found = []

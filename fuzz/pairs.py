@@ -215,22 +215,30 @@ def _one_life(first: tuple[str, ...], second: tuple[str, ...]) -> Callable[[list
 # -- shaping: a drawn trace reworked towards an interaction (random_trace(..., interaction=NAME)) -------
 
 
-def _spec_facts(trace: Trace, decisions_only: bool = False) -> list[StepFacts]:
-    """The facts of the spec's own run of ``trace`` ([] when it does not finish within its step limit).
-    ``decisions_only``: records at the decisions level, without state fields (cheaper): the facts
-    that need memory fields (prefix hits, evictions, shared blocks) are then missing, the rules
-    and the waiting states (preempted, swapped, retracted) are all there."""
+def spec_run(trace: Trace, decisions_only: bool = False) -> list[StepRecord]:
+    """The records of the spec's own run of ``trace`` ([] when it does not finish within its step
+    limit), for shaping a drawn trace.  ``decisions_only``: records at the decisions level, without
+    state fields (cheaper): the batches, rules and waiting states, no memory fields."""
     from spec.config import resolve
     from spec.protocol import StepLimitError, drive
     from spec.scheduler import SpecEngine
 
-    config = resolve(trace.config)
     light = {"record_level": "decisions", "record_state": False} if decisions_only else {}
+    engine = SpecEngine.from_trace(trace, check_invariants=False, **light)
     try:
-        records = drive(SpecEngine.from_trace(trace, check_invariants=False, **light), trace, config.max_steps)
+        return drive(engine, trace, resolve(trace.config).max_steps)
     except StepLimitError:
         return []
-    return step_facts(records, config.max_num_batched_tokens)
+
+
+def _spec_facts(trace: Trace, decisions_only: bool = False) -> list[StepFacts]:
+    """The facts of the spec's own run of ``trace`` (:func:`spec_run`; [] when it does not finish).
+    ``decisions_only``: the facts that need memory fields (prefix hits, evictions, shared blocks) are
+    then missing, the rules and the waiting states (preempted, swapped, retracted) are all there."""
+    from spec.config import resolve
+
+    records = spec_run(trace, decisions_only)
+    return step_facts(records, resolve(trace.config).max_num_batched_tokens) if records else []
 
 
 def _abort_while(states: tuple[str, ...]) -> Callable[[Trace, random.Random], Trace]:

@@ -41,8 +41,7 @@ import traceback
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from fuzz.diff import (ERROR, NON_TERMINATION, SPAN, TOKENS, Divergence, as_configured, budget_fit_blame, first_divergence,
-                       leaf_eviction_blame)
+from fuzz.diff import ERROR, NON_TERMINATION, SPAN, TOKENS, Divergence, configured_rule, first_divergence
 from spec.config import resolve
 from spec.formats import LEVELS, StepRecord, Trace, TraceRequest, fields_at
 from spec.protocol import Engine, arrival_order
@@ -417,9 +416,7 @@ def _lock_step(trace: Trace, eng, name: str, level: str, t0: float, after: int |
             found = first_divergence([s_rec] if s_rec else [], [e_rec] if e_rec else [], level, engine=name,
                                      history=spec_recs[:-1] if s_rec else spec_recs, tokens=scripted)
             if found is not None:
-                found.rule = leaf_eviction_blame(found.field, s_rec, e_rec, trace.config) or \
-                    budget_fit_blame(found.rule, found.field, s_rec, e_rec, found.request, trace.config) or \
-                    as_configured(found.rule, trace.config)
+                found.rule = configured_rule(found.rule, found.field, s_rec, e_rec, found.request, trace.config)
                 if after is not None:
                     stop_at = k + after
                     if after == 0:
