@@ -604,6 +604,13 @@ CATALOGUE_MUTANTS = [
                      "walk = dict(budget=budget, free=self.pool.num_free_uncached(),")),
     Mutant("finished_stays_running", "VLLM-12", "a request finished by a step's outputs stays in the running list",
            _one_line(Scheduler, "update", "self.running = self.running[self.status[self.running] == RUNNING]", "pass")),
+    Mutant("admission_budget_not_charged", "MSGL-04", "a round of admissions is not charged to the step's token "
+           "budget: the next round sees the budget as it was",
+           _one_line(Scheduler, "_schedule_waiting", "budget -= xp.total(n[:count])", "budget -= 0")),
+    Mutant("admission_charged_padded", "TGI-01", "admissions are charged their tokens padded to whole blocks, which "
+           "the admission test did not count",
+           _one_line(Scheduler, "_schedule_waiting", "budget -= xp.total(n[:count])",
+                     "budget -= xp.total(cdiv(n[:count], self.bs) * self.bs)")),
 ]
 
 MUTANTS = [
@@ -778,8 +785,10 @@ AT_FAULT: dict[str, tuple[str, ...]] = {
     "room_counts_waiting": ("ADMIT.MAX_NUM_SEQS",),
     "context_stop_one_short": ("STOP.LENGTH",),
     "stale_gives_back_placeholder": ("ASYNC.STALE_OUTPUT", "ASYNC.PREEMPT_ZEROES_PLACEHOLDERS"),
-    "evictable_not_available": ("KV.NO_FREE_BLOCKS",),
+    "evictable_not_available": ("KV.NO_FREE_BLOCKS", "ADMIT.FULL_SEQUENCE"),  # (the block gate it stopped at)
     "finished_stays_running": ("STOP.EOS", "STOP.STOP_TOKEN", "STOP.LENGTH"),
+    "admission_budget_not_charged": ("BUDGET.TOKENS",),
+    "admission_charged_padded": ("BUDGET.TOKENS",),
 }
 
 

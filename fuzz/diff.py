@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from spec.formats import LEVEL_FIELDS, LEVELS, STATE_FIELDS, StepRecord, fields_at
+from spec.formats import ADMIT_STOPS, LEVEL_FIELDS, LEVELS, STATE_FIELDS, StepRecord, fields_at
 
 #: Kinds of divergence.
 DECISION = "decision"  # a field of one step record differs
@@ -179,6 +179,9 @@ STATE_RULES = {
     "token_cap": "BUDGET.LONG_PREFILL",
     "ref_counts": "CACHE.TOUCH",
     "cached_blocks": "CACHE.EVICT_LRU",
+    "admit_stop": "ADMIT.NEW",
+    "placeholders": "ASYNC.PLACEHOLDER",
+    "waiting": "ARRIVE.QUEUED",
 }
 _FLOAT_FIELDS = ("vtc_counters", "estimate_rem")
 
@@ -215,6 +218,19 @@ def _state_divergence(step: int, s: StepRecord | None, e: StepRecord | None, lev
         if gone is not None:  # a request the step ended, still running on the engine's side
             return Divergence(step, name, _plain(a), _plain(b), gone[0], gone[1], gone[2], DECISION, engine,
                               list(s.reasons or []))
+        if name == "admit_stop":  # the earlier of the two gates (the side that passed it broke it)
+            word = earlier_gate(a, b, None)
+            rule = DEFAULT_GATE_RULES.get(word or "", STATE_RULES[name])
+            return Divergence(step, name, a, b, None, rule, f"the spec's walk of the waiting queue stopped at "
+                              f"'{a}', the engine's at '{b}' ({ADMIT_STOPS.get(word or '', 'another gate')})",
+                              DECISION, engine, list(s.reasons or []))
+        if name == "waiting":  # the event that should have put the request in the queue or taken it out
+            request, rule, text = waiting_rule(s, a, b, history())
+            return Divergence(step, name, _plain(a), _plain(b), request, rule, text, DECISION, engine, list(s.reasons or []))
+        if name == "placeholders":  # the step's event on that request's tokens in flight
+            request = _involved(name, a, b)
+            rule, text = placeholder_rule(s, request)
+            return Divergence(step, name, _plain(a), _plain(b), request, rule, text, DECISION, engine, list(s.reasons or []))
         request = _involved(name, a, b) if name not in ("vtc_counters", "estimate_rem", "token_cap") else None
         rule, text, context = spec_reason(s, request, name)
         if name == "computed" and request is not None:  # a victim's reset, or a request the spec ended
@@ -237,6 +253,46 @@ def _state_divergence(step: int, s: StepRecord | None, e: StepRecord | None, lev
             rule, text = "CACHE.HIT", f"{request} was admitted with a prefix hit of {s.cache_hits[request]} tokens"
         return Divergence(step, name, _plain(a), _plain(b), request, rule, text, DECISION, engine, context)
     return None
+
+
+def waiting_rule(record: StepRecord, ours: list, theirs: list,
+                 history: list[StepRecord]) -> tuple[str | None, str, str]:
+    """``(request, rule, why)`` for waiting queues that hold other requests after a step.  A request
+    only the engine still queues: the rule that ended it (an abort, a stop, a refusal: :func:`ended_rule`,
+    also for an entry the engine no longer names, then the step's own abort or finish), or its
+    admission in this step.  A request only the spec queues: its preemption in this step (the rule
+    that freed it: its requeue follows), else its arrival (``ARRIVE.QUEUED``)."""
+    extra = [rid for rid in theirs if rid not in ours]
+    if extra:
+        rid = extra[0]
+        if rid is None:  # (an entry released under its id but still queued: the step's own end of a request)
+            rid = next(iter(list(record.aborted) + [r for r, _ in record.finished]), None)
+        ended = ended_rule(list(history) + [record], rid)
+        if ended is not None:
+            return rid, ended, f"the spec ended {rid} ({ended}); the engine still queues it"
+        if rid in record.new or rid in record.resumed:
+            rule = "ADMIT.RESUMED" if rid in record.resumed else "ADMIT.NEW"
+            return rid, rule, f"the spec admitted {rid} in this step; the engine still queues it"
+        return rid, "ARRIVE.QUEUED", f"the engine queues {rid}, which the spec's queue does not hold"
+    rid = next((r for r in ours if r not in theirs), None)
+    if rid in record.preempted:
+        rule = _preempt_rule(record, rid)
+        return rid, rule, f"{rid} was preempted in this step ({rule}) and waits again; the engine does not queue it"
+    return rid, "ARRIVE.QUEUED", f"{rid} waits in the spec's queue, not in the engine's"
+
+
+def placeholder_rule(record: StepRecord, request: str | None) -> tuple[str, str]:
+    """``(rule, why)`` behind the spec's placeholders (tokens in flight) for ``request`` after a step:
+    its preemption in the step zeroed them (``ASYNC.PREEMPT_ZEROES_PLACEHOLDERS``), a stale output
+    of the step was dropped without giving one back (``ASYNC.STALE_OUTPUT``), else each scheduled
+    sampler adds one and each applied output takes one back (``ASYNC.PLACEHOLDER``)."""
+    if request in record.preempted:
+        return ("ASYNC.PREEMPT_ZEROES_PLACEHOLDERS",
+                f"{request} was preempted in this step: its placeholders are forgotten with its computed tokens")
+    if any(r.get("rule") == "ASYNC.STALE_OUTPUT" and r.get("request") == request for r in record.reasons or ()):
+        return ("ASYNC.STALE_OUTPUT",
+                f"{request}'s output in this step was stale (scheduled before its preemption): dropped, nothing given back")
+    return "ASYNC.PLACEHOLDER", f"the spec's tokens in flight for {request} after step {record.step}"
 
 
 def _still_counted(spec: StepRecord, ours: dict, theirs: dict) -> tuple[str, str, str] | None:
@@ -279,6 +335,9 @@ _FAMILIES = {
     "drafts": ("SPEC.", "RUN.", "ADMIT.", "BUDGET."),
     "accepted": ("SPEC.ACCEPT", "SPEC.ROLLBACK"),
     "token_cap": ("BUDGET.LONG_PREFILL",),
+    "admit_stop": ("ADMIT.", "BUDGET.", "KV.", "ESTIMATE.", "BATCH.", "SPEC."),
+    "placeholders": ("ASYNC.",),
+    "waiting": ("ABORT.", "STOP.", "ADMIT.", "PREEMPT.", "RETRACT.", "QUEUE.", "ARRIVE.", "REJECT."),
     "ref_counts": ("CACHE.", "KV."),
     "cached_blocks": ("CACHE.", "RETRACT.", "PREEMPT.", "KV."),
 }
@@ -632,13 +691,106 @@ def budget_fit_blame(rule: str | None, name: str, spec: StepRecord | None, engin
     return "BUDGET.TOKENS"
 
 
+#: The rule behind each ``admit_stop`` word when the configuration is not known (vLLM V1's gates).
+DEFAULT_GATE_RULES = {"budget": "BUDGET.TOKENS", "seqs": "ADMIT.MAX_NUM_SEQS", "whole": "ADMIT.NO_CHUNKING",
+                      "first": "ADMIT.CHUNK_ONLY_FIRST", "estimate": "ESTIMATE.ADMIT", "pad": "SPEC.PAD_ADMISSION",
+                      "blocks": "KV.NO_FREE_BLOCKS"}
+
+
+def gate_order(cfg: Any | None) -> list[str]:
+    """The ``admit_stop`` words in the order the spec tests a waiting head under ``cfg`` (None:
+    vLLM V1's order): the budget, room in the batch, the configuration's admission checks in their
+    own order (:func:`spec.config.admission_checks`), the padded decode, the blocks."""
+    if cfg is None:
+        return ["budget", "seqs", "whole", "first", "estimate", "pad", "blocks"]
+    from spec.config import admission_checks
+    from spec.scheduler import admit_stop_word
+
+    return ["budget", "seqs", *(admit_stop_word(c) for c in admission_checks(cfg)), "pad", "blocks"]
+
+
+def earlier_gate(a: str | None, b: str | None, cfg: Any | None) -> str | None:
+    """Of two ``admit_stop`` words for the same head, the gate tested first: the side that stopped
+    there failed it and the other side passed it, so that gate is where the two sides differ.
+    None when either walk ran out of waiting requests (they did not stop at the same head)."""
+    order = gate_order(cfg)
+    if a not in order or b not in order:
+        return None
+    return min(a, b, key=order.index)
+
+
+def gate_rule(word: str | None, cfg: Any) -> str | None:
+    """The spec rule of the gate an ``admit_stop`` word names under ``cfg``: the budget
+    (``BUDGET.TOKENS``), the plan's room rule, its no-chunking or estimate check, the padded
+    decode, or its reservation rule for blocks (``KV.NO_FREE_BLOCKS``, ``ADMIT.FULL_SEQUENCE``,
+    ``ADMIT.RESERVE_*``)."""
+    from spec.config import step_plan
+    from spec.scheduler import admit_stop_word
+
+    plan = step_plan(cfg)
+    checks: dict[str, str] = {}
+    for check in plan.admission_checks:  # (the first check of each word: the one tested first)
+        checks.setdefault(admit_stop_word(check), check)
+    if word == "seqs":
+        active = cfg.max_num_active_seqs and cfg.max_num_active_seqs < cfg.max_num_seqs
+        return "ADMIT.MAX_NUM_ACTIVE_SEQS" if active else plan.room
+    if word == "blocks":
+        return plan.reservation
+    return checks.get(word or "") or DEFAULT_GATE_RULES.get(word or "")
+
+
+def _walk_admissions(record: StepRecord) -> list[str]:
+    """The requests a step's walk of the waiting queue admitted, in batch order (not swap-ins)."""
+    admitted = (set(record.new) | set(record.resumed)) - set(record.swapped_in)
+    return [rid for rid, _ in record.scheduled if rid in admitted]
+
+
+def stop_gate_blame(rule: str | None, name: str, spec: StepRecord | None, engine: StepRecord | None,
+                    config: dict[str, Any]) -> str | None:
+    """The admission gate at fault, for a report that names only the admission (``rule``:
+    ``ADMIT.NEW``, ``ADMIT.RESUMED``, ``BUDGET.TOKENS`` or none) or the ``admit_stop`` state
+    itself, when both logs say where their walk of the waiting queue stopped:
+
+    * the engine admitted the spec's first requests and stopped short: the gate it stopped at,
+      the same word as the spec's or not (it refused a head the spec admitted: ``seqs`` under a
+      wrong count names ``ADMIT.MAX_NUM_SEQS``);
+    * the engine admitted past the spec's stop: the spec's gate, which the engine let through (unless
+      the engine admitted that head with a prefix hit: the hit may be what differs);
+    * the same admissions, stopped at different gates: the gate tested first (:func:`earlier_gate`).
+
+    Admissions in another order are the queue's, not a gate's: None."""
+    if spec is None or engine is None or spec.admit_stop is None or engine.admit_stop is None:
+        return None
+    if name != "admit_stop" and (name not in _BUDGETED or rule not in _GENERIC_BUDGET):
+        return None
+    from spec.config import ConfigError, resolve
+
+    try:
+        cfg = resolve(config)
+    except (ConfigError, TypeError, ValueError):
+        return None
+    ours, theirs = _walk_admissions(spec), _walk_admissions(engine)
+    if len(theirs) < len(ours) and ours[:len(theirs)] == theirs:
+        word = engine.admit_stop
+    elif len(ours) < len(theirs) and theirs[:len(ours)] == ours:
+        if (engine.cache_hits or {}).get(theirs[len(ours)]):
+            return None  # (its prefix hit may be what let it through: the hit the spec saw is not logged)
+        word = spec.admit_stop
+    elif ours == theirs and spec.admit_stop != engine.admit_stop:
+        word = earlier_gate(spec.admit_stop, engine.admit_stop, cfg)
+    else:
+        return None
+    return gate_rule(word, cfg)
+
+
 def configured_rule(rule: str | None, name: str, spec: StepRecord | None, engine: StepRecord | None,
                     request: str | None, config: dict[str, Any]) -> str | None:
     """The rule a report names for field ``name``, once the trace's configuration is known (a
     record-level blame sees none): block ids after another radix-tree eviction
-    (:func:`leaf_eviction_blame`), an admission that ended exactly on the budget
+    (:func:`leaf_eviction_blame`), the admission gate where the two walks of the waiting queue
+    stopped differently (:func:`stop_gate_blame`), an admission that ended exactly on the budget
     (:func:`budget_fit_blame`), else ``rule`` as the configuration spells it (:func:`as_configured`)."""
-    return leaf_eviction_blame(name, spec, engine, config) or \
+    return leaf_eviction_blame(name, spec, engine, config) or stop_gate_blame(rule, name, spec, engine, config) or \
         budget_fit_blame(rule, name, spec, engine, request, config) or as_configured(rule, config)
 
 

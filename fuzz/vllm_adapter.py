@@ -472,6 +472,7 @@ class VllmEngine:
             record.outputs_step = self._last_record.step if self._last_record is not None else -1
             self._last_record = record
         self._memory(record)
+        state_fields(self.scheduler, record, self.config.async_scheduling)
         self._rejected, self._aborted, self._preempted, self._freed, self._evicted = [], [], [], [], []
         return record
 
@@ -544,6 +545,22 @@ def memory_fields(scheduler, record: StepRecord, rename=lambda rid: rid) -> None
     record.num_free_blocks = kv.block_pool.get_num_free_blocks()
     record.blocks = {rid: len(ids) for rid, ids in tables.items()}
     record.block_ids = tables
+
+
+def state_fields(scheduler, record: StepRecord, asynchronous: bool) -> None:
+    """The optional state fields vLLM's own objects hold, at the end of the step: who waits in its
+    queues (``waiting``, and ``kv_holding_waiting`` where the release has it), each running request's
+    computed tokens and those of each request waiting after a preemption (``computed``), and under
+    async scheduling each live request's output placeholders (``placeholders``)."""
+    from vllm.v1.request import RequestStatus
+
+    queued = list(scheduler.waiting) + list(getattr(scheduler, "kv_holding_waiting", ()))
+    record.waiting = sorted(r.request_id for r in queued)
+    record.computed = {r.request_id: r.num_computed_tokens for r in scheduler.running}
+    record.computed.update((r.request_id, r.num_computed_tokens) for r in queued if r.status == RequestStatus.PREEMPTED)
+    if asynchronous:
+        record.placeholders = {r.request_id: r.num_output_placeholders for r in list(scheduler.running) + queued
+                               if r.num_output_placeholders}
 
 
 def finish_reason(request, max_model_len: int) -> str:

@@ -23,8 +23,9 @@ from spec.formats import (DEFAULT_EOS_TOKEN_ID, DEFAULT_VOCAB_SIZE, LEVELS, Step
                           min_tokens_token)
 
 from gpu_engine import xp
+from gpu_engine.formulas import INF_KEY
 from gpu_engine.model import AttentionMetadata, LlamaConfig, PagedLlama
-from gpu_engine.scheduler import PREEMPTED, SWAPPED, Batch, Scheduler, salt_root
+from gpu_engine.scheduler import FREE, PREEMPTED, SWAPPED, Batch, Scheduler, salt_root
 
 # _record_state finds the victims (PREEMPTED or SWAPPED) with one ``status >= PREEMPTED``:
 # they must stay the last two statuses.
@@ -452,6 +453,13 @@ class GpuEngine:
         if len(waiting):
             rec.computed.update(zip(self._names(waiting), xp.to_list(s.num_computed_tokens[waiting])))
         rec.token_cap = batch.token_cap
+        rec.admit_stop = batch.admit_stop
+        # the queue as its keys hold it (a slot released but still keyed is logged without a name)
+        queued = self._names(xp.nonzero(s.queue_key < INF_KEY))
+        rec.waiting = sorted(queued) if None not in queued else sorted(queued, key=lambda r: (r is None, r or ""))
+        if s.asynchronous:  # each live request's tokens in flight
+            live = xp.nonzero((s.status > FREE) & (s.placeholders != 0))
+            rec.placeholders = dict(zip(self._names(live), xp.to_list(s.placeholders[live])))
         if s.tc is not None:
             rec.vtc_counters = {name: float(s.tc.counter[t]) for name, t in s.tc.index.items()}
         registered, s.registered = s.registered, {}

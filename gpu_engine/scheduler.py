@@ -126,6 +126,7 @@ class Batch:
     accepts: dict[int, int] = field(default_factory=dict)  # slot -> drafts its verification accepts
     accepted: dict[str, int] = field(default_factory=dict)  # after the update: request -> drafts accepted
     token_cap: int | None = None  # logged state: the per-request token cap the phases applied (long-prefill knob set)
+    admit_stop: str | None = None  # logged state: the gate the walk of the waiting queue stopped at
 
 
 class Scheduler:
@@ -1478,6 +1479,8 @@ class Scheduler:
         ADMIT.CHUNK_ONLY_FIRST)."""
         self._note_cap(batch, cap)
         if budget <= 0 or self._room(scheduled) <= 0:  # no round would run (nothing else below has effects)
+            if self.log_state:
+                batch.admit_stop = self._walk_ended(budget)
             return self._empty, self._empty, budget
         out_slots, out_n = [], []
         continued = continued if continued is not None else (self._empty, self._empty)
@@ -1505,12 +1508,14 @@ class Scheduler:
                 window *= 1 if single else 2
                 cand = self._queue_head(width)
             ntok = self.num_tokens[cand]
+            before_round, e = (budget, scheduled), None  # (what the logged refusal is tested against)
             if self.caching:
                 cand, ntok, hits, nhit, evictable = self._lookup_window(cand, ntok)
             else:
                 hits = self.be.empty_int()
                 nhit = evictable = ntok * 0
             count, n, need = self._admission(cand, ntok, nhit, evictable, budget, cap)
+            formula = count  # (the admission formula's own first refusal, for the logged stop)
             if rem is not None:
                 if batch.estimate_rem is None:
                     batch.estimate_rem = rem
@@ -1538,16 +1543,69 @@ class Scheduler:
             if hold:
                 self.hold = frozenset(self.ids[s] for s in xp.to_list(self.running))
             if count < len(cand) or count == 0:
+                if self.log_state:
+                    batch.admit_stop = self._refusal(count, cand, ntok, nhit, evictable, *before_round, cap, e,
+                                                     formula) if count < len(cand) else self._walk_ended(budget)
                 break
+        else:  # (the loop's own test ended the walk: no candidate was refused)
+            if self.log_state:
+                batch.admit_stop = self._walk_ended(budget)
         return self.be.cat(out_slots), self.be.cat(out_n), budget
 
-    def _admission(self, cand: Array, ntok: Array, nhit: Array, evictable: Array, budget: int, cap: int):
+    def _walk_ended(self, budget: int) -> str:
+        """Logged state ``admit_stop`` when no candidate was refused: nobody left waiting, the
+        budget spent, else the batch full (max_num_seqs), in that order."""
+        return "empty" if not self.num_waiting else "budget" if budget <= 0 else "seqs"
+
+    def _refusal(self, j: int, cand: Array, ntok: Array, nhit: Array, evictable: Array, budget: int, scheduled: int,
+                 cap: int, e: int | None, formula: int) -> str | None:
+        """Logged state ``admit_stop``: the gate that refused the round's candidate ``j`` (all before
+        it admitted; ``budget`` and ``scheduled`` as the round began; ``e`` and ``formula``: the first
+        refusal of the estimate and of :func:`formulas.admission`), tested in this engine's order: the
+        budget spent, the configuration's admission tests (no chunking, only the first cut, the memory
+        estimate, SGLang's exclusive budget), the padded decode, the blocks (:meth:`_admission` on the
+        candidate alone, chunk test off, when chunked prefill is off: else the blocks are all the formula
+        tests besides those).  A refusal by the formula that the blocks do not explain is its chunk test;
+        one by no test at all is None (not logged: no gate can be named)."""
+        bs = self.bs
+        rest = xp.to_list(ntok - nhit * bs)
+        pad = self._draft_padding(ntok, nhit)
+        pad = xp.to_list(pad) if pad is not None else [0] * len(rest)
+        asks = [min(r + p, cap) if cap > 0 else r + p for r, p in zip(rest, pad)]
+        left, own = max(budget - sum(asks[:j]), 0), rest[j]
+        whole = not self.config.enable_chunked_prefill and not self.cap_exclusive
+        if left <= 0:
+            return "budget"
+        if whole and (min(own, cap) if cap > 0 else own) > left:
+            return "whole"
+        if self.first_continues and self._first_cut_only(ntok - nhit * bs, budget, cap, scheduled) == j:
+            return "first"
+        if e == j:
+            return "estimate"
+        if self.cap_exclusive and self._leaves_budget(ntok - nhit * bs, budget, cap, scheduled) == j:
+            return "whole"
+        if pad[j] and asks[j] > left:
+            return "pad"
+        if formula != j:
+            return None
+        if not whole:  # (the formula's other tests, the budget left and the padding, passed above)
+            return "blocks"
+        one = slice(j, j + 1)
+        if self._admission(cand[one], ntok[one], nhit[one], evictable[one], left, cap, chunked=True)[0] == 0:
+            return "blocks"
+        return "whole"
+
+    def _admission(self, cand: Array, ntok: Array, nhit: Array, evictable: Array, budget: int, cap: int,
+                   chunked: bool | None = None):
         """:func:`formulas.admission` over a window; a short CPU window without draft padding
-        is walked on host ints instead (:func:`formulas.admission_walk`: the same values)."""
+        is walked on host ints instead (:func:`formulas.admission_walk`: the same values).
+        ``chunked``: in place of the configuration's (the logged stop's blocks-only probe)."""
         c, reserve = self.config, self._reservation(cand)
         walk = dict(budget=budget, free=self.pool.num_free, watermark=self.watermark_blocks,
                     num_running=len(self.running), cap=cap, chunked=c.enable_chunked_prefill,
                     full_isl=c.scheduler_reserve_full_isl, block_size=self.bs, max_model_len=c.max_model_len)
+        if chunked is not None:
+            walk["chunked"] = chunked
         if self._walks(len(cand)) and not self.num_spec:
             count, n, need = F.admission_walk(ntok.tolist(), nhit.tolist(), evictable.tolist(),
                                               reserve=None if reserve is None else reserve.tolist(), **walk)

@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from spec.config import SchedulerConfig
-from spec.formats import DecisionLog, StepRecord, Trace, TraceRequest
+from spec.formats import ADMIT_STOPS, DecisionLog, StepRecord, Trace, TraceRequest
 
 #: Without a trace the vocabulary is unknown; a sampled token id at or above this bound
 #: is flagged anyway.  No tokenizer in use comes near it (the largest have ~2.6e5 ids),
@@ -119,7 +119,9 @@ LOG_STATEMENTS: dict[str, str] = {
         "swapped out, with their tokens); VTC counters never decrease; hit_blocks are the first blocks of "
         "the table, one per hit block; a request registers each block once per admission, only blocks "
         "full of computed tokens; ref_counts gives each block its number of running holders; "
-        "cached_blocks is sorted, a block in one cache entry at most."),
+        "cached_blocks is sorted, a block in one cache entry at most; admit_stop is one of its words, "
+        "and a walk stopped by the budget ends a step whose batch holds max_num_batched_tokens tokens; "
+        "waiting names each request the log leaves waiting, once."),
     "CACHE.HITS_CONSISTENT": (
         "cache_hits names exactly the requests admitted from the waiting queue in the step, each hit "
         "a whole number of blocks (0 without prefix caching); blocks are evicted only with prefix caching, "
@@ -941,6 +943,14 @@ class LogChecker:
         if rec.estimate_rem is not None and (cfg.admission != "estimate" or rec.estimate_rem > cfg.usable_blocks * bs):
             self.flag("LOG.STATE_CONSISTENT", s, None, f"estimate_rem {rec.estimate_rem} above the pool's "
                       f"{cfg.usable_blocks * bs} tokens (or not under admission=estimate)", "estimate_rem")
+        if rec.admit_stop is not None:
+            spent = sum(n for _, n in rec.scheduled)
+            if rec.admit_stop not in ADMIT_STOPS or (rec.admit_stop == "budget" and spent != cfg.max_num_batched_tokens):
+                self.flag("LOG.STATE_CONSISTENT", s, None, f"admit_stop {rec.admit_stop!r} with {spent} tokens scheduled "
+                          f"of max_num_batched_tokens {cfg.max_num_batched_tokens} (words: {', '.join(ADMIT_STOPS)})",
+                          "admit_stop")
+        if rec.waiting is not None:
+            self._check_waiting(rec)
         if rec.hit_blocks is not None:
             self._check_hit_blocks(rec)
         if rec.cache_registered is not None:
@@ -962,6 +972,18 @@ class LogChecker:
             if n != m:
                 self.flag("LOG.STATE_CONSISTENT", rec.step, None, f"block {key}: {n} references, held by {m} running "
                           "request(s)", "ref_counts")
+
+    def _check_waiting(self, rec: StepRecord) -> None:
+        """``waiting`` names exactly the requests the log leaves waiting: arrived (with a trace; without
+        one, those the log has named), not running, swapped out or ended, each once and by its id."""
+        listed = Counter(rec.waiting)
+        known = {rid for rid, r in self.reqs.items() if r.state == "waiting"}
+        wrong = {rid for rid in listed if rid is None or listed[rid] > 1 or (rid not in known and (
+            self.trace is not None or (rid in self.reqs and self.reqs[rid].state != "waiting")))}
+        for rid in sorted(wrong | (known - set(listed)), key=str):
+            self.flag("LOG.STATE_CONSISTENT", rec.step, rid, "waiting must name each waiting request once "
+                      f"({'not ' if rid in listed else ''}listed; the log leaves it "
+                      f"{self.reqs[rid].state if rid in self.reqs else 'unknown'})", "waiting")
 
     def _check_hit_blocks(self, rec: StepRecord) -> None:
         s, bs = rec.step, self.cfg.block_size

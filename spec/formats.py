@@ -328,6 +328,9 @@ class StepRecord:
     cache_registered: dict[str, list[int]] | None = None  # request -> block ordinals registered in the prefix cache
     hit_blocks: dict[str, list[int]] | None = None  # admitted request -> ids of its prefix-hit blocks
     token_cap: int | None = None  # long_prefill_token_threshold > 0: the per-request token cap the step applied (0 none)
+    admit_stop: str | None = None  # why the step's walk of the waiting queue stopped (ADMIT_STOPS), when it ran
+    placeholders: dict[str, int] | None = None  # async scheduling: request -> tokens in flight, each request with any
+    waiting: list[str] | None = None  # the requests in the waiting queue at the end of the step (sorted ids)
     ref_counts: dict[str, int] | None = None  # block id (as a string) -> reference count, each block a running request holds
     cached_blocks: list[int] | None = None  # the block id of each prefix-cache entry (sorted; a block twice: two entries)
     # speculative decoding (num_speculative_tokens > 0): request -> draft tokens scheduled in this
@@ -405,6 +408,9 @@ class StepRecord:
             cache_registered=obj.get("cache_registered"),
             hit_blocks=obj.get("hit_blocks"),
             token_cap=obj.get("token_cap"),
+            admit_stop=obj.get("admit_stop"),
+            placeholders=obj.get("placeholders"),
+            waiting=obj.get("waiting"),
             ref_counts=obj.get("ref_counts"),
             cached_blocks=obj.get("cached_blocks"),
             drafts=obj.get("drafts"),
@@ -447,10 +453,29 @@ STATE_FIELDS = {
     "cache_registered": "memory",
     "hit_blocks": "exact",
     "token_cap": "decisions",
+    "admit_stop": "decisions",
+    "placeholders": "decisions",
+    "waiting": "decisions",
     "ref_counts": "exact",
     "cached_blocks": "exact",
     "drafts": "decisions",
     "accepted": "decisions",
+}
+
+
+#: Values of the optional state field ``admit_stop``: why a step's walk of the waiting queue
+#: (admission from its head, in queue order) stopped.  Engines name their own gates with these
+#: words, not with the spec's rule ids; the order is the order the gates are tested in, except
+#: that a configuration's admission tests run in its own order (``spec.config.admission_checks``).
+ADMIT_STOPS = {
+    "empty": "nobody left waiting: the walk admitted every waiting request (no word when nobody waited)",
+    "budget": "the step's token budget was spent before the next waiting request",
+    "seqs": "the batch (or the running set) already holds max_num_seqs requests",
+    "whole": "chunked prefill off: the next request's tokens do not fit the budget left at once",
+    "first": "only the batch's first entry may be a cut prefill: the next one does not fit whole",
+    "estimate": "the memory estimate (SGLang's remaining tokens) refuses the next request",
+    "pad": "the next request's padded decode (speculative decoding) does not fit the budget left",
+    "blocks": "the next request's KV blocks (with any watermark or reservation) are not free",
 }
 
 

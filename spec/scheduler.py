@@ -180,6 +180,7 @@ class SchedulerOutput:
     drafts: dict[str, int] = field(default_factory=dict)  # speculative decoding: request -> drafts scheduled
     padded: set[str] = field(default_factory=set)  # admissions padded with dummy drafts (SPEC.PAD_ADMISSION)
     token_cap: int | None = None  # logged state: the step's per-request token cap (BUDGET.LONG_PREFILL), when set
+    admit_stop: str | None = None  # logged state: why the walk of the waiting queue stopped (formats.ADMIT_STOPS)
 
     @property
     def samplers(self) -> list[str]:
@@ -712,6 +713,16 @@ def reservation(req: Request, cfg: SchedulerConfig) -> int:
     return min(len(req.prompt_token_ids) + req.max_tokens - 1, cfg.max_model_len - 1)
 
 
+def admit_stop_word(check: str) -> str:
+    """The ``admit_stop`` word (spec.formats.ADMIT_STOPS) an admission check's refusal logs:
+    ``whole`` for the no-chunking tests, ``first`` for ADMIT.CHUNK_ONLY_FIRST, ``estimate`` for
+    SGLang's memory estimate.  Engines log the gate they stopped at in these words, so that a
+    report can name the gate an engine stopped at too early, not the admission it then missed."""
+    if check.startswith("ESTIMATE."):
+        return "estimate"
+    return "first" if check == "ADMIT.CHUNK_ONLY_FIRST" else "whole"
+
+
 @rule("BATCH.PREFILL_FIRST", knobs=("batching",))
 def prefill_batch_first(running: list[Request], out: SchedulerOutput, scheduled: dict[str, int]) -> None:
     """Under batching="prefill-first", a step that admits anybody is a prefill-only
@@ -1040,7 +1051,8 @@ class SpecEngine:
                   "ADMIT.NO_CHUNKING_EXCLUSIVE": self._check_no_chunking_exclusive}
         #: ESTIMATE.IGNORE_EOS_RESERVE tests the ignore_eos candidates in place of ESTIMATE.ADMIT
         self.eos_reserve = "ESTIMATE.IGNORE_EOS_RESERVE" in plan.admission_checks
-        self.admission_checks = [checks[c] for c in plan.admission_checks]
+        #: (the admit_stop word each check logs when it refuses the head)
+        self.admission_checks = [(admit_stop_word(c), checks[c]) for c in plan.admission_checks]
         self.seqs_full = self._step_full if plan.room == "BATCH.MAX_NUM_SEQS_PER_STEP" else self._running_full
         self.allocate_admission = {"ADMIT.RESERVE_FULL": self._allocate_reserved,
                                    "ADMIT.RESERVE_SEQUENCE": self._allocate_sequence}.get(plan.reservation,
@@ -1668,20 +1680,27 @@ class SpecEngine:
         return f"{n} scheduled in this step = max_num_seqs" if n >= self.config.max_num_seqs else None
 
     def _schedule_waiting(self, st: StepState) -> int:
-        """Admit from the head of the waiting queue while everything fits; return the budget left."""
+        """Admit from the head of the waiting queue while everything fits; return the budget left.
+        Where the walk stopped is logged state (``admit_stop``: the word of the test that refused the head;
+        ``empty`` when it admitted everybody; none when nobody waited)."""
         out, budget = st.out, st.budget
+        out.admit_stop = "empty" if len(self.waiting) else None
         while len(self.waiting):
             req = self.waiting.peek()
             rid = req.request_id
             if self._no_room_to_join(st, rid, budget, "head not admitted"):
+                out.admit_stop = "budget" if budget <= 0 else "seqs"
                 break
             hit_blocks, hit = self.kv.get_computed_blocks(req)
             remaining = req.num_tokens - hit
-            if not all(check(st, req, remaining, budget) for check in self.admission_checks):
+            refused = next((word for word, check in self.admission_checks if not check(st, req, remaining, budget)), None)
+            if refused is not None:
+                out.admit_stop = refused
                 break
             for size in self.admission_sizes:
                 remaining = size(st, req, remaining, hit, budget)
             if remaining is None:
+                out.admit_stop = "pad"
                 break
             n = chunk_size(remaining, st.cap, budget)
             alloc = self.allocate_admission(req, n, hit_blocks, hit)
@@ -1689,6 +1708,7 @@ class SpecEngine:
                 out.reasons.append(reason(alloc.rule, rid, alloc.text))
                 out.drafts.pop(rid, None)
                 out.padded.discard(rid)
+                out.admit_stop = "blocks"
                 break
             self.waiting.pop()
             self.running.append(req)
@@ -2129,6 +2149,11 @@ class SpecEngine:
             if req.status in PREEMPTED_STATES:
                 record.computed[req.request_id] = req.num_computed_tokens
         record.token_cap = out.token_cap
+        record.admit_stop = out.admit_stop
+        record.waiting = sorted(r.request_id for r in self.waiting)  # (a request lost or left behind shows at once)
+        if self.plan.outputs == "ASYNC.OUTPUTS_NEXT_STEP":  # ASYNC.PLACEHOLDER, zeroed at a preemption
+            record.placeholders = {r.request_id: r.num_output_placeholders
+                                   for r in chain(self.running, self.waiting, self.swapped) if r.num_output_placeholders}
         if self.vtc:
             record.vtc_counters = dict(self.waiting.counters)
         registered = self.kv.take_registered()

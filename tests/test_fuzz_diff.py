@@ -147,10 +147,14 @@ def test_the_spec_logs_each_state_field_at_its_level():
     for level in ("decisions", "memory", "exact"):
         for rec in _state_log(trace, level):
             for name in STATE_FIELDS:
-                if name in ("vtc_counters", "estimate_rem", "drafts", "accepted", "token_cap"):
-                    continue  # only under policy=vtc / admission=estimate / speculative decoding / a long-prefill cap
+                if name in ("vtc_counters", "estimate_rem", "drafts", "accepted", "token_cap", "placeholders"):
+                    continue  # only under policy=vtc / admission=estimate / speculative decoding / a long-prefill
+                    # cap / async scheduling
                 carried = rec.to_json(level).get(name) is not None
+                if name == "admit_stop" and rec.admit_stop is None:
+                    continue  # only in a step whose walk of a non-empty waiting queue ran
                 assert carried == (name in state_fields_at(level)), (level, name)
+        assert any(r.admit_stop is not None for r in _state_log(trace, level)), level
     assert all(r.computed is None for r in _state_log(trace, record_reasons=False))  # the simulator's fast mode
 
 
