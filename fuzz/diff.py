@@ -209,6 +209,8 @@ def _state_divergence(step: int, s: StepRecord | None, e: StepRecord | None, lev
         return None  # an idle step on one side: its state was not written
     for name in state_fields_at(level):
         a, b = getattr(s, name), getattr(e, name)
+        if name == "waiting" and a is not None and b is not None:  # (a set: an engine may log it in queue order)
+            a, b = sorted(a, key=str), sorted(b, key=str)
         if a is None or b is None or (_close(a, b) if name in _FLOAT_FIELDS else _plain(a) == _plain(b)):
             continue
         if name in ("ref_counts", "cached_blocks"):  # a block's references or cache entries: the step's event on it

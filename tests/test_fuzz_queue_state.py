@@ -232,3 +232,12 @@ def test_planted_gate_queue_and_placeholder_bugs_are_named_where_they_happen(nam
     trace, named = found
     assert named == rule, named
     assert replay(trace, "gpu", "exact").divergence is None
+
+
+def test_a_queue_logged_in_queue_order_is_compared_as_a_set():
+    """The format says sorted; an engine that logs its queue in its own order still agrees."""
+    same = first_divergence([StepRecord(step=2, waiting=["a", "b"])], [StepRecord(step=2, waiting=["b", "a"])],
+                            "decisions")
+    assert same is None
+    lost = first_divergence([StepRecord(step=2, waiting=["a", "b"])], [StepRecord(step=2, waiting=["b"])], "decisions")
+    assert lost is not None and lost.field == "waiting" and lost.request == "a"
