@@ -662,6 +662,20 @@ def planted(mutant: Mutant):
             setattr(obj, name, old)
 
 
+def first_divergent(name: str, traces, kind: str | None = None):
+    """With the mutant ``name`` planted, the first of ``traces`` (drawn lazily, inside the plant)
+    whose exact-level replay on gpu_engine diverges from the spec — with a divergence of ``kind``
+    when given — as ``(trace, result)``; None when none does.  The tests' way to ask what a bug's
+    report names."""
+    mutant = next(m for m in MUTANTS if m.name == name)
+    with planted(mutant):
+        for trace in traces:
+            result = replay(trace, "gpu", "exact")
+            if result.divergence is not None and kind in (None, result.divergence.kind):
+                return trace, result
+    return None
+
+
 #: The spec rules at fault for each planted bug: a report that names one of them names the cause;
 #: one that names another rule names a symptom.  (Two where the bug sits between two rules.)
 AT_FAULT: dict[str, tuple[str, ...]] = {

@@ -87,16 +87,8 @@ def test_budget_edge_traces_show_an_exact_fit_refused_under_the_gates_name(name,
     """With the exact fit refused planted, a budget-edge trace diverges within 80 seeds, the same trace
     agrees unplanted, and its report names the gate at fault (mutation_score.AT_FAULT).  (No per-request
     cap here: a capped request's uncapped tokens, which first-continues compares, are not in the log.)"""
-    mutant = next(m for m in ms.MUTANTS if m.name == name)
-    found = None
-    with ms.planted(mutant):
-        for seed in range(80):
-            trace = random_trace(seed, budget_edge=True, **options)
-            result = replay(trace, "gpu", "exact")
-            if result.divergence is not None:
-                found = (trace, group_signature(result)[2], result.divergence.rule)
-                break
+    found = ms.first_divergent(name, (random_trace(seed, budget_edge=True, **options) for seed in range(80)))
     assert found is not None, f"{name}: no divergence in 80 budget-edge traces"
-    trace, grouped, replayed = found
+    trace, grouped, replayed = found[0], group_signature(found[1])[2], found[1].divergence.rule
     assert grouped in ms.AT_FAULT[name] and replayed in ms.AT_FAULT[name], (grouped, replayed)
     assert replay(trace, "gpu", "exact").divergence is None

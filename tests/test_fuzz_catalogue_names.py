@@ -54,17 +54,10 @@ def test_a_leaked_reference_is_the_abort_even_when_one_of_its_blocks_was_taken_a
 def test_an_abort_that_leaks_a_running_requests_blocks_is_reported_as_the_abort():
     """With the leak planted, the first aborting trace that diverges names ABORT.FREE (grouped as the
     campaign names it), and agrees unplanted."""
-    mutant = next(m for m in ms.MUTANTS if m.name == "abort_running_leaks_blocks")
-    found = None
-    with ms.planted(mutant):
-        for seed in range(60):
-            trace = random_trace(seed, aborts=True, tight_memory=True)
-            result = replay(trace, "gpu", "exact")
-            if result.divergence is not None:
-                found = (trace, group_signature(result)[2])
-                break
+    found = ms.first_divergent("abort_running_leaks_blocks",
+                               (random_trace(seed, aborts=True, tight_memory=True) for seed in range(60)))
     assert found is not None
-    trace, rule = found
+    trace, rule = found[0], group_signature(found[1])[2]
     assert rule == "ABORT.FREE", rule
     assert replay(trace, "gpu", "exact").divergence is None
 

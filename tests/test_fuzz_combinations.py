@@ -41,17 +41,9 @@ def test_the_steering_target_makes_the_bug_where_its_mechanisms_meet_visible(key
     as the campaign names it) names a rule at fault."""
     target = COMBINATIONS[key]
     assert target in _all_targets(None), f"{key}: not in the rotation every campaign goes round"
-    mutant = next(m for m in ms.MUTANTS if m.name == name)
-    found = None
-    with ms.planted(mutant):
-        for seed in range(200):
-            trace = random_trace(seed, **target)
-            result = replay(trace, "gpu", "exact")
-            if result.divergence is not None:
-                found = (trace, group_signature(result)[2])
-                break
+    found = ms.first_divergent(name, (random_trace(seed, **target) for seed in range(200)))
     assert found is not None, f"{name}: no divergence in 200 traces of {key}'s target"
-    trace, rule = found
+    trace, rule = found[0], group_signature(found[1])[2]
     if named:
         assert rule in ms.AT_FAULT[name], f"{name}: the report names {rule}, not one of {ms.AT_FAULT[name]}"
     assert replay(trace, "gpu", "exact").divergence is None

@@ -219,17 +219,9 @@ def test_tokens_in_flight_that_differ_name_the_preemption_or_the_stale_output():
 def test_planted_gate_queue_and_placeholder_bugs_are_named_where_they_happen(name, rule, options):
     """Each bug planted: the first diverging trace's finding names the rule at fault, and the same
     trace agrees unplanted."""
-    mutant = next(m for m in ms.MUTANTS if m.name == name)
-    found = None
-    with ms.planted(mutant):
-        for seed in range(80):
-            trace = random_trace(seed, **options)
-            result = replay(trace, "gpu", "exact")
-            if result.divergence is not None and result.divergence.kind == "decision":
-                found = (trace, group_signature(result)[2])
-                break
+    found = ms.first_divergent(name, (random_trace(seed, **options) for seed in range(80)), kind="decision")
     assert found is not None
-    trace, named = found
+    trace, named = found[0], group_signature(found[1])[2]
     assert named == rule, named
     assert replay(trace, "gpu", "exact").divergence is None
 
