@@ -404,7 +404,7 @@ ROUND3_MUTANTS = [
     Mutant("no_chunking_cap_inclusive", "SGL input cap", "without chunking a later request may take the whole budget left",
            _one_line(Scheduler, "_leaves_budget", "(behind & (rest >= left))", "(behind & (rest > left))")),
     Mutant("continued_chunk_no_block", "SGL estimate", "the continued chunk's estimate leaves out its extra block",
-           _one_line(Scheduler, "_estimate_rem", "rem -= cdiv(n, bs) * bs + bs + (", "rem -= cdiv(n, bs) * bs + (")),
+           _one_line(Scheduler, "_estimate_rem", "charge = cdiv(n, bs) * bs + bs + (", "charge = cdiv(n, bs) * bs + (")),
     Mutant("eos_reserve_uses_ratio", "SGL ignore_eos", "the ignore_eos reserve scales an ignore_eos request's outputs "
            "by the ratio",
            _one_line(Scheduler, "_reserve_entry", "r = 1.0 if int(self.ignore_eos[s]) else self.ratio", "r = self.ratio")),

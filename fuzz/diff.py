@@ -172,6 +172,7 @@ STATE_RULES = {
     "computed": "BUDGET.TOKENS",
     "vtc_counters": "VTC.CHARGE",
     "estimate_rem": "ESTIMATE.ADMIT",
+    "estimate_parts": "ESTIMATE.ADMIT",
     "cache_registered": "CACHE.REGISTER_AT_ALLOCATION",
     "hit_blocks": "CACHE.HIT",
     "drafts": "SPEC.DRAFT_SCHEDULE",
@@ -183,7 +184,11 @@ STATE_RULES = {
     "placeholders": "ASYNC.PLACEHOLDER",
     "waiting": "ARRIVE.QUEUED",
 }
-_FLOAT_FIELDS = ("vtc_counters", "estimate_rem")
+_FLOAT_FIELDS = ("vtc_counters", "estimate_rem", "estimate_parts")
+
+#: The rule behind each term of the estimate's ``rem`` (state field ``estimate_parts``), in the
+#: order a report looks for the term that differs: the two reserves, then the free tokens.
+ESTIMATE_TERMS = {"running": "ESTIMATE.RUNNING_RATIO", "chunks": "ESTIMATE.CONTINUED_CHUNK", "free": "ESTIMATE.ADMIT"}
 
 
 def state_fields_at(level: str) -> tuple[str, ...]:
@@ -222,13 +227,18 @@ def _state_divergence(step: int, s: StepRecord | None, e: StepRecord | None, lev
                               list(s.reasons or []))
         if name == "admit_stop":  # the earlier of the two gates (the side that passed it broke it)
             word = earlier_gate(a, b, None)
-            rule = DEFAULT_GATE_RULES.get(word or "", STATE_RULES[name])
+            rule = (word == a and estimate_refusal(s, word)) or DEFAULT_GATE_RULES.get(word or "", STATE_RULES[name])
             return Divergence(step, name, a, b, None, rule, f"the spec's walk of the waiting queue stopped at "
                               f"'{a}', the engine's at '{b}' ({ADMIT_STOPS.get(word or '', 'another gate')})",
                               DECISION, engine, list(s.reasons or []))
         if name == "waiting":  # the event that should have put the request in the queue or taken it out
             request, rule, text = waiting_rule(s, a, b, history())
             return Divergence(step, name, _plain(a), _plain(b), request, rule, text, DECISION, engine, list(s.reasons or []))
+        if name == "estimate_parts":  # the term of rem that differs, and the rule that defines it
+            term = next((t for t in ESTIMATE_TERMS if not _close(a.get(t), b.get(t))), "free")
+            return Divergence(step, name, _plain(a), _plain(b), None, ESTIMATE_TERMS[term],
+                              f"the estimate's '{term}' term as the admission round began: the spec's "
+                              f"{a.get(term)}, the engine's {b.get(term)}", DECISION, engine, list(s.reasons or []))
         if name == "placeholders":  # the step's event on that request's tokens in flight
             request = _involved(name, a, b)
             rule, text = placeholder_rule(s, request)
@@ -332,6 +342,7 @@ _FAMILIES = {
     "computed": ("RUN.", "ADMIT.", "BUDGET.", "CACHE."),
     "vtc_counters": ("VTC.",),
     "estimate_rem": ("ESTIMATE.",),
+    "estimate_parts": ("ESTIMATE.",),
     "cache_registered": ("CACHE.",),
     "hit_blocks": ("CACHE.",),
     "drafts": ("SPEC.", "RUN.", "ADMIT.", "BUDGET."),
@@ -757,7 +768,8 @@ def stop_gate_blame(rule: str | None, name: str, spec: StepRecord | None, engine
       the same word as the spec's or not (it refused a head the spec admitted: ``seqs`` under a
       wrong count names ``ADMIT.MAX_NUM_SEQS``);
     * the engine admitted past the spec's stop: the spec's gate, which the engine let through (unless
-      the engine admitted that head with a prefix hit: the hit may be what differs);
+      the engine admitted that head with a prefix hit: the hit may be what differs; a head the spec's
+      estimate refused only for its own hit's locked blocks names ``ESTIMATE.OWN_HIT_LOCKED``);
     * the same admissions, stopped at different gates: the gate tested first (:func:`earlier_gate`).
 
     Admissions in another order are the queue's, not a gate's: None."""
@@ -775,14 +787,32 @@ def stop_gate_blame(rule: str | None, name: str, spec: StepRecord | None, engine
     if len(theirs) < len(ours) and ours[:len(theirs)] == theirs:
         word = engine.admit_stop
     elif len(ours) < len(theirs) and theirs[:len(ours)] == ours:
-        if (engine.cache_hits or {}).get(theirs[len(ours)]):
+        head = theirs[len(ours)]
+        if spec.admit_stop == "estimate" and estimate_refusal(spec, "estimate", head) == "ESTIMATE.OWN_HIT_LOCKED":
+            return "ESTIMATE.OWN_HIT_LOCKED"  # refused only for its own hit's locked blocks: the lock let it through
+        if (engine.cache_hits or {}).get(head):
             return None  # (its prefix hit may be what let it through: the hit the spec saw is not logged)
         word = spec.admit_stop
     elif ours == theirs and spec.admit_stop != engine.admit_stop:
         word = earlier_gate(spec.admit_stop, engine.admit_stop, cfg)
     else:
         return None
-    return gate_rule(word, cfg)
+    return (word == spec.admit_stop and estimate_refusal(spec, word)) or gate_rule(word, cfg)
+
+
+def estimate_refusal(spec: StepRecord, word: str | None, request: str | None = None) -> str | None:
+    """Where the spec's walk stopped at the memory estimate (``word``: ``estimate``) and the engine's
+    went on past that test, the spec's own reason names which of the estimate's tests refused the
+    head (``ESTIMATE.ADMIT``, ``ESTIMATE.IGNORE_EOS_RESERVE``, or ``ESTIMATE.OWN_HIT_LOCKED`` when
+    the candidate's own hit tipped it): that test is the one the engine passed.  None otherwise."""
+    if word != "estimate":
+        return None
+    return next((str(r["rule"]) for r in reversed(spec.reasons or ()) if r.get("rule") in _ESTIMATE_TESTS
+                 and r.get("request") is not None and (request is None or r.get("request") == request)), None)
+
+
+#: The estimate's tests of one candidate, each a refusal reason of the spec's.
+_ESTIMATE_TESTS = ("ESTIMATE.ADMIT", "ESTIMATE.IGNORE_EOS_RESERVE", "ESTIMATE.OWN_HIT_LOCKED")
 
 
 def configured_rule(rule: str | None, name: str, spec: StepRecord | None, engine: StepRecord | None,
@@ -1008,7 +1038,7 @@ def _blocked_head(record: StepRecord, taken: list[str]) -> str | None:
 
 
 #: Reasons that refuse a waiting request's admission (a request admitted has one of :data:`_ADMITTED`).
-_REFUSALS, _ADMITTED = ("ADMIT.", "KV.NO_FREE_BLOCKS", "ESTIMATE.ADMIT"), ("ADMIT.NEW", "ADMIT.RESUMED")
+_REFUSALS, _ADMITTED = ("ADMIT.", "KV.NO_FREE_BLOCKS", "ESTIMATE.ADMIT", "ESTIMATE.OWN_HIT_LOCKED"), ("ADMIT.NEW", "ADMIT.RESUMED")
 
 
 #: The rejection rule of each reason a log gives for refusing a request at arrival.

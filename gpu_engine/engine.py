@@ -466,6 +466,7 @@ class GpuEngine:
         if self.level == "decisions":
             return
         rec.estimate_rem = batch.estimate_rem
+        rec.estimate_parts = batch.estimate_parts
         rec.cache_registered = registered if s.caching else None
         if self.level == "exact":
             rec.hit_blocks = batch.hit_blocks

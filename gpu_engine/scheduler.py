@@ -122,6 +122,7 @@ class Batch:
     hit_blocks: dict[str, list[int]] = field(default_factory=dict)  # logged state: admitted -> prefix-hit block ids
     refused: list[tuple[str, str]] = field(default_factory=list)  # SLO admission control: (id, "slo_infeasible")
     estimate_rem: float | None = None  # logged state: rem_total_tokens when the first head was tested
+    estimate_parts: dict[str, float] | None = None  # logged state: its terms (free, running, chunks)
     drafts: dict[str, int] = field(default_factory=dict)  # speculative decoding: request -> drafts scheduled
     accepts: dict[int, int] = field(default_factory=dict)  # slot -> drafts its verification accepts
     accepted: dict[str, int] = field(default_factory=dict)  # after the update: request -> drafts accepted
@@ -1113,12 +1114,13 @@ class Scheduler:
             slots, n = slots[idx], n[idx]
         return slots, n, budget - xp.total(n)
 
-    def _estimate_rem(self, continued) -> float:
+    def _estimate_rem(self, continued) -> tuple[float, dict[str, float]]:
         """ESTIMATE.ADMIT's ``rem`` as the admission round begins: free tokens as before this step's
         continued prefills allocated, minus ``ratio_i x remaining_i`` summed in running order
         (ratio 1 for ignore_eos: ESTIMATE.RUNNING_RATIO) over the running requests not continued
         in this step, minus each continued chunk's ``ceil_B(n) + B (+ min(max_tokens, clip) if it
-        completes the prompt)`` (ESTIMATE.CONTINUED_CHUNK); host float64, sequential."""
+        completes the prompt)`` (ESTIMATE.CONTINUED_CHUNK); host float64, sequential.  With its
+        three terms, for the log (``free``, ``running``, ``chunks``)."""
         c, h, bs = self.config, self.be.host, self.bs
         slots_c, n_c = continued if continued is not None else (self.be.empty_int(), self.be.empty_int())
         run = self.running
@@ -1126,11 +1128,14 @@ class Scheduler:
             run = run[~xp.isin(run, slots_c)]
         ratio = np.where(h(self.ignore_eos[run]) == 1, 1.0, self.ratio)
         held = (ratio * self._remaining_output(run)).astype(np.float64)
-        rem = (self.pool.num_free + self.continued_blocks) * bs - (float(np.add.accumulate(held)[-1]) if len(held) else 0)
+        free = (self.pool.num_free + self.continued_blocks) * bs
+        running = float(np.add.accumulate(held)[-1]) if len(held) else 0.0
+        rem, chunks = free - running, 0
         for s, n in zip(xp.to_list(slots_c), xp.to_list(n_c)):
             last = int(self.num_computed_tokens[s]) + n >= int(self.num_tokens[s])
-            rem -= cdiv(n, bs) * bs + bs + (min(int(self.max_tokens[s]), c.clip_max_new_tokens) if last else 0)
-        return rem
+            charge = cdiv(n, bs) * bs + bs + (min(int(self.max_tokens[s]), c.clip_max_new_tokens) if last else 0)
+            rem, chunks = rem - charge, chunks + charge
+        return rem, {"free": free, "running": running, "chunks": chunks}
 
     def _retraction_order(self, slots: Array, n: Array):
         """RETRACT.BATCH_ORDER after a retraction: the running slots sorted by (outputs, -prompt),
@@ -1484,9 +1489,9 @@ class Scheduler:
             return self._empty, self._empty, budget
         out_slots, out_n = [], []
         continued = continued if continued is not None else (self._empty, self._empty)
-        rem = None
+        rem = parts = None
         if self.estimate:  # SGLang's rem_total_tokens, fixed as the admission round begins
-            rem = self._estimate_rem(continued)
+            rem, parts = self._estimate_rem(continued)
         if self.eos_reserve:  # the round's reserve simulation (built at its first ignore_eos candidate)
             self._round = _ReserveRound(self._free_now(continued), xp.to_list(continued[0]))
         # speculative decoding: one candidate per round (a padded admission pops more blocks than
@@ -1518,7 +1523,7 @@ class Scheduler:
             formula = count  # (the admission formula's own first refusal, for the logged stop)
             if rem is not None:
                 if batch.estimate_rem is None:
-                    batch.estimate_rem = rem
+                    batch.estimate_rem, batch.estimate_parts = rem, parts
                 ok, before = self._estimate_ok(ntok - nhit * self.bs, cand, rem, evictable * self.bs)
                 if self.eos_reserve:
                     ok = self._reserve_window(ok, before, cand, ntok - nhit * self.bs)

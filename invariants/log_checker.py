@@ -943,6 +943,11 @@ class LogChecker:
         if rec.estimate_rem is not None and (cfg.admission != "estimate" or rec.estimate_rem > cfg.usable_blocks * bs):
             self.flag("LOG.STATE_CONSISTENT", s, None, f"estimate_rem {rec.estimate_rem} above the pool's "
                       f"{cfg.usable_blocks * bs} tokens (or not under admission=estimate)", "estimate_rem")
+        parts = rec.estimate_parts
+        if parts is not None and rec.estimate_rem is not None and \
+                abs(parts["free"] - parts["running"] - parts["chunks"] - rec.estimate_rem) > 1e-6 * max(1.0, abs(rec.estimate_rem)):
+            self.flag("LOG.STATE_CONSISTENT", s, None, f"estimate_parts {parts}: free - running - chunks is not "
+                      f"estimate_rem {rec.estimate_rem}", "estimate_parts")
         if rec.admit_stop is not None:
             spent = sum(n for _, n in rec.scheduled)
             if rec.admit_stop not in ADMIT_STOPS or (rec.admit_stop == "budget" and spent != cfg.max_num_batched_tokens):

@@ -325,6 +325,9 @@ class StepRecord:
     computed: dict[str, int] | None = None
     vtc_counters: dict[str, float] | None = None  # policy="vtc": tenant -> virtual token counter, end of step
     estimate_rem: float | None = None  # admission="estimate": rem_total_tokens as the admission round began
+    # its terms, rem = free - running - chunks: free tokens, the running requests' estimated outputs
+    # (ESTIMATE.RUNNING_RATIO), the continued chunks' charges (ESTIMATE.CONTINUED_CHUNK)
+    estimate_parts: dict[str, float] | None = None
     cache_registered: dict[str, list[int]] | None = None  # request -> block ordinals registered in the prefix cache
     hit_blocks: dict[str, list[int]] | None = None  # admitted request -> ids of its prefix-hit blocks
     token_cap: int | None = None  # long_prefill_token_threshold > 0: the per-request token cap the step applied (0 none)
@@ -405,6 +408,7 @@ class StepRecord:
             computed=obj.get("computed"),
             vtc_counters=obj.get("vtc_counters"),
             estimate_rem=obj.get("estimate_rem"),
+            estimate_parts=obj.get("estimate_parts"),
             cache_registered=obj.get("cache_registered"),
             hit_blocks=obj.get("hit_blocks"),
             token_cap=obj.get("token_cap"),
@@ -449,6 +453,7 @@ LEVEL_FIELDS = {
 STATE_FIELDS = {
     "computed": "decisions",
     "vtc_counters": "decisions",
+    "estimate_parts": "memory",
     "estimate_rem": "memory",
     "cache_registered": "memory",
     "hit_blocks": "exact",

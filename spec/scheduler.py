@@ -177,6 +177,7 @@ class SchedulerOutput:
     reasons: list[dict] = field(default_factory=list)
     hit_blocks: dict[str, list[int]] = field(default_factory=dict)  # admitted request -> its prefix-hit block ids
     estimate_rem: float | None = None  # admission="estimate": rem_total_tokens as the admission round began
+    estimate_parts: dict[str, float] | None = None  # its terms: free, running, chunks (rem = free - running - chunks)
     drafts: dict[str, int] = field(default_factory=dict)  # speculative decoding: request -> drafts scheduled
     padded: set[str] = field(default_factory=set)  # admissions padded with dummy drafts (SPEC.PAD_ADMISSION)
     token_cap: int | None = None  # logged state: the step's per-request token cap (BUDGET.LONG_PREFILL), when set
@@ -1760,8 +1761,7 @@ class SpecEngine:
         first head reaches it and charged by every admission after."""
         cfg, bs = self.config, self.config.block_size
         if st.rem is None:
-            st.rem = self._estimate_rem(st)
-            st.out.estimate_rem = st.rem
+            st.rem = st.out.estimate_rem = self._estimate_rem(st)
             st.cur_rem = self._estimate_cur_rem(st)
         locked = own_hit_locked(self.kv.get_computed_blocks(req)[0], bs)  # ESTIMATE.OWN_HIT_LOCKED
         paged = cdiv(remaining, bs) * bs + bs + locked  # the admission's immediate charge
@@ -1772,6 +1772,8 @@ class SpecEngine:
             need = remaining + remaining_output(req, cfg) + bs + locked
             ok, rule_id = estimate_admits(need, st.rem), "ESTIMATE.ADMIT"
             why = f"needs {need} tokens, {st.rem:.3f} estimated free"
+            if not ok and locked and estimate_admits(need - locked, st.rem):  # its own locked hit tips it
+                rule_id, why = "ESTIMATE.OWN_HIT_LOCKED", f"{why}, {locked} of them its own hit's evictable blocks"
         if not ok:
             fresh = set(st.continued) | set(st.out.new) | set(st.out.resumed)  # not in SGLang's running batch yet
             if self.plan_hold and any(rid not in fresh for rid in st.start):  # ESTIMATE.HOLD_UNTIL_DEPARTURE
@@ -1808,18 +1810,23 @@ class SpecEngine:
         return ignore_eos_reserve_admits(paged, st.cur_rem, st.rem, st.eos_states, not self.running)
 
     def _estimate_rem(self, st: StepState) -> float:
-        """ESTIMATE.ADMIT's ``rem`` as the admission round begins: free + evictable tokens (as
-        before this step's continued chunks took theirs), minus each running request's estimated
-        remaining output (ESTIMATE.RUNNING_RATIO; a continued prefill is not running yet), minus
-        each continued chunk's charge (ESTIMATE.CONTINUED_CHUNK)."""
+        """ESTIMATE.ADMIT's ``rem`` as the admission round begins: free tokens (as before this
+        step's continued chunks took theirs), minus each running request's estimated remaining
+        output (ESTIMATE.RUNNING_RATIO; a continued prefill is not running yet), minus each
+        continued chunk's charge (ESTIMATE.CONTINUED_CHUNK), in that order.  The three terms are
+        logged too (state field ``estimate_parts``: ``free``, ``running``, ``chunks``), so that a
+        report names the term that differs, not only the total."""
         cfg, ratio = self.config, self.new_token_ratio
         free = (self.kv.pool.num_free_blocks + sum(st.continued.values())) * cfg.block_size
-        rem = free - sum(running_ratio(r, ratio) * remaining_output(r, cfg) for r in self.running
-                         if r.request_id not in st.continued)
+        running = sum(running_ratio(r, ratio) * remaining_output(r, cfg) for r in self.running
+                      if r.request_id not in st.continued)
+        rem, chunks = free - running, 0
         for rid in st.continued:
             req = self.requests[rid]
-            rem -= continued_chunk_charge(st.scheduled[rid], req.num_computed_tokens + st.scheduled[rid] >= req.num_tokens,
-                                          req, cfg)
+            charge = continued_chunk_charge(st.scheduled[rid], req.num_computed_tokens + st.scheduled[rid] >= req.num_tokens,
+                                            req, cfg)
+            rem, chunks = rem - charge, chunks + charge
+        st.out.estimate_parts = {"free": free, "running": running, "chunks": chunks}
         return rem
 
     def _allocate_step(self, req: Request, n: int, hit_blocks: list, hit: int):
@@ -2160,6 +2167,7 @@ class SpecEngine:
         if self.record_level == "decisions":
             return
         record.estimate_rem = out.estimate_rem
+        record.estimate_parts = out.estimate_parts
         record.cache_registered = registered if self.config.enable_prefix_caching else None
         if self.record_level == "exact":
             record.hit_blocks = out.hit_blocks

@@ -147,7 +147,7 @@ def test_the_spec_logs_each_state_field_at_its_level():
     for level in ("decisions", "memory", "exact"):
         for rec in _state_log(trace, level):
             for name in STATE_FIELDS:
-                if name in ("vtc_counters", "estimate_rem", "drafts", "accepted", "token_cap", "placeholders"):
+                if name in ("vtc_counters", "estimate_rem", "estimate_parts", "drafts", "accepted", "token_cap", "placeholders"):
                     continue  # only under policy=vtc / admission=estimate / speculative decoding / a long-prefill
                     # cap / async scheduling
                 carried = rec.to_json(level).get(name) is not None
@@ -189,6 +189,23 @@ def test_memory_state_is_not_compared_at_the_decisions_level(records):
     assert (d.field, d.rule) == ("estimate_rem", "ESTIMATE.ADMIT")
 
 
+@pytest.mark.parametrize("term, rule", [("running", "ESTIMATE.RUNNING_RATIO"), ("chunks", "ESTIMATE.CONTINUED_CHUNK"),
+                                        ("free", "ESTIMATE.ADMIT")])
+def test_the_estimate_term_that_differs_names_its_rule(records, term, rule):
+    """Two estimates whose totals differ by one term: the report names that term's rule, at the
+    step where it differed, before the total (which only says that the estimate differs)."""
+    spec_side, engine = copy.deepcopy(records), copy.deepcopy(records)
+    parts = {"free": 4096, "running": 300.5, "chunks": 48}
+    spec_side[1].estimate_parts, engine[1].estimate_parts = dict(parts), {**parts, term: parts[term] + 16}
+    spec_side[1].estimate_rem, engine[1].estimate_rem = 3747.5, 3747.5 + (16 if term == "free" else -16)
+    assert first_divergence(spec_side, engine, "decisions") is None  # (memory-level state)
+    d = first_divergence(spec_side, engine, "memory")
+    assert (d.step, d.field, d.rule) == (spec_side[1].step, "estimate_parts", rule)
+    assert term in d.reason
+    engine[1].estimate_parts = dict(parts)  # the terms agree: the total is what differs
+    assert first_divergence(spec_side, engine, "memory").field == "estimate_rem"
+
+
 def test_a_state_difference_is_reported_at_its_own_earlier_step(records):
     """The state differs at step k, a decision only later: the report names step k and the
     rule behind the spec's value; a decision difference in the same step still comes first."""
@@ -224,6 +241,8 @@ def test_gpu_engine_state_agrees_with_the_spec(profile):
             compared |= {name for r in gpu_records for name in STATE_FIELDS if getattr(r, name)}
     assert "computed" in compared
     assert {"vtc": "vtc_counters", "sglang": "estimate_rem", "vllm-v1": "cache_registered"}.get(profile, "computed") in compared
+    if profile == "sglang":
+        assert "estimate_parts" in compared
     if profile == "vllm-v1":  # the block-level state: reference counts and cache entries, each engine's own
         assert {"ref_counts", "cached_blocks"} <= compared
 

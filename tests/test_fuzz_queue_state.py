@@ -215,6 +215,11 @@ def test_tokens_in_flight_that_differ_name_the_preemption_or_the_stale_output():
     ("abort_waiting_still_queued", "ABORT.FREE", {"aborts": True}),  # (SGL-08; a crash before waiting)
     ("placeholders_kept_on_preempt", "ASYNC.PREEMPT_ZEROES_PLACEHOLDERS", {"profile": "vllm-v1-async",
                                                                           "tight_memory": True}),
+    # SGLang's estimate: the term of rem that differs (estimate_parts), the test that refused the head
+    ("running_ratio_ignores_eos", "ESTIMATE.RUNNING_RATIO", {"profile": "sglang"}),
+    ("continued_chunk_no_block", "ESTIMATE.CONTINUED_CHUNK", {"profile": "sglang", "tight_memory": True}),
+    ("own_hit_unlocked", "ESTIMATE.OWN_HIT_LOCKED", {"profile": "sglang", "enable_prefix_caching": True,
+                                                     "prefix_groups": True, "tight_memory": True}),
 ])
 def test_planted_gate_queue_and_placeholder_bugs_are_named_where_they_happen(name, rule, options):
     """Each bug planted: the first diverging trace's finding names the rule at fault, and the same
@@ -224,6 +229,26 @@ def test_planted_gate_queue_and_placeholder_bugs_are_named_where_they_happen(nam
     trace, named = found[0], group_signature(found[1])[2]
     assert named == rule, named
     assert replay(trace, "gpu", "exact").divergence is None
+
+
+def test_the_spec_names_the_lock_only_where_its_own_hit_tips_the_estimate():
+    """ESTIMATE.OWN_HIT_LOCKED as a refusal reason: the candidate's need exceeds the estimate, and
+    would not without its own hit's evictable blocks (figures from the reason's text)."""
+    import re
+
+    locked = 0
+    for seed in range(60):
+        trace = random_trace(seed, profile="sglang", enable_prefix_caching=True, prefix_groups=True, tight_memory=True)
+        for rec in _logs(trace)[0]:
+            for r in rec.reasons or ():
+                m = re.match(r"needs (\d+) tokens, (-?[\d.]+) estimated free(, (\d+) of them)?", r["text"])
+                if r["rule"] == "ESTIMATE.OWN_HIT_LOCKED":
+                    need, rem, lock = int(m[1]), float(m[2]), int(m[4])
+                    assert need >= rem - 1e-3 and rem > need - lock - 1e-3, r  # (refused: need >= rem; rem printed to 3 places)
+                    locked += 1
+                elif r["rule"] == "ESTIMATE.ADMIT" and m:
+                    assert m[3] is None
+    assert locked >= 3, locked
 
 
 def test_a_queue_logged_in_queue_order_is_compared_as_a_set():

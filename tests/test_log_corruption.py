@@ -504,6 +504,12 @@ def estimate_rem_above_the_pool(recs, trace):
     return "estimate_rem"
 
 
+def estimate_parts_not_adding_up(recs, trace):
+    rec = _rec(recs, lambda r: r.get("estimate_parts") is not None)
+    rec["estimate_parts"]["running"] += 64
+    return "estimate_parts"
+
+
 @dataclass(frozen=True)
 class Corruption:
     edit: object
@@ -529,7 +535,8 @@ CORRUPTIONS = [
     # the optional state fields (issue 18)
     Corruption(computed_plus_one), Corruption(computed_of_finished), Corruption(vtc_counter_decreases, trace="vtc"),
     Corruption(registered_twice, levels=MEMORY), Corruption(registered_beyond_computed, levels=MEMORY),
-    Corruption(estimate_rem_above_the_pool, trace="sglang", levels=MEMORY), Corruption(hit_block_wrong_id, levels=EXACT),
+    Corruption(estimate_rem_above_the_pool, trace="sglang", levels=MEMORY),
+    Corruption(estimate_parts_not_adding_up, trace="sglang", levels=MEMORY), Corruption(hit_block_wrong_id, levels=EXACT),
     # memory level
     Corruption(unknown_blocks, levels=MEMORY), Corruption(unknown_cache_hit, levels=MEMORY),
     Corruption(free_blocks_plus_one, levels=MEMORY), Corruption(free_blocks_minus_one, levels=MEMORY),
