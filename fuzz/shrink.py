@@ -23,6 +23,7 @@ from typing import Callable, Iterator
 from fuzz.diff import Divergence
 from spec.config import ConfigError, resolve
 from spec.formats import Trace, TraceRequest
+from spec.io import FormatError, check_request
 
 Signature = tuple[str, str, str]
 Predicate = Callable[[Trace], bool]
@@ -50,7 +51,9 @@ def _valid(trace: Trace) -> bool:
     for r in trace.requests:
         if r.arrival_step is None or r.arrival_step < last or (r.abort_at is not None and r.abort_at < r.arrival_step):
             return False
-        if r.prefix_group is not None and r.prefix_len > r.prompt_len:
+        try:  # (what reading the shrunk trace back would refuse: min_tokens above max_tokens, ...)
+            check_request(r, "<shrunk trace>", 0, trace.vocab_size)
+        except FormatError:
             return False
         last = r.arrival_step
     return bool(trace.requests)
@@ -170,8 +173,10 @@ def _smaller_requests(trace: Trace, i: int) -> Iterator[TraceRequest]:
     if r.arrival_step > prev:
         yield rep(r, arrival_step=prev, abort_at=r.abort_at)
         yield rep(r, arrival_step=r.arrival_step - 1)
-    for n in _toward(r.max_tokens, 1):
-        yield rep(r, max_tokens=n, output_tokens=r.output_tokens[:n])
+    if r.min_tokens:
+        yield rep(r, min_tokens=0)
+    for n in _toward(r.max_tokens, 1):  # (min_tokens at most max_tokens, as a trace file must have it)
+        yield rep(r, max_tokens=n, output_tokens=r.output_tokens[:n], min_tokens=min(r.min_tokens, n))
     if r.prompt is None:
         for n in _toward(r.prompt_len, 1):
             yield rep(r, prompt_len=n, prefix_len=min(r.prefix_len, n))

@@ -512,7 +512,13 @@ def _token_lists_checked(obj: Any, path: str, line: int) -> Any:
 
 def _request(obj: Any, path: str, line: int, vocab: int) -> TraceRequest:
     _check_schema("trace-request", _token_lists_checked(obj, path, line), path, line)
-    req = TraceRequest.from_json(obj)
+    return check_request(TraceRequest.from_json(obj), path, line, vocab)
+
+
+def check_request(req: TraceRequest, path: str, line: int, vocab: int) -> TraceRequest:
+    """The checks of a trace request beyond its schema (limits, fields that bound each other),
+    raising :class:`FormatError` at ``path:line``.  Whoever makes requests in memory (the
+    shrinker) runs them too, so that every trace it writes reads back."""
     for name, limit in _REQUEST_LIMITS.items():
         value = getattr(req, name)
         if value is not None and value > LIMITS[limit]:

@@ -75,3 +75,19 @@ def test_each_reduction_is_kept_and_the_next_candidates_start_from_it():
     small, tries = shrink(trace, fails, max_tries=80)
     (req,) = small.requests
     assert (req.max_tokens, req.prompt_len) == (7, 5) and tries < 80
+
+
+def test_a_shrunk_trace_always_reads_back(tmp_path):
+    """The shrinker lowers max_tokens; a request's min_tokens follows it down, since a trace file whose
+    min_tokens exceed max_tokens is refused when read (the report's replay command would exit 2)."""
+    import dataclasses
+
+    from spec.io import write_trace
+
+    trace = random_trace(3)
+    trace = dataclasses.replace(trace, requests=[dataclasses.replace(r, min_tokens=r.max_tokens) for r in trace.requests])
+    small, _ = shrink(trace, lambda t: True, max_tries=400)  # (everything fails: as small as it gets)
+    assert all(r.min_tokens <= r.max_tokens for r in small.requests)
+    assert min(r.max_tokens for r in small.requests) < max(r.max_tokens for r in trace.requests)  # it did shrink them
+    write_trace(small, tmp_path / "small.jsonl")
+    assert len(load_trace(tmp_path / "small.jsonl").requests) == len(small.requests)
