@@ -201,6 +201,7 @@ class LogChecker:
         self._tables: dict[str, list[int]] = {}  # block_ids at the end of the previous record
         self._held: dict[str, int] = {}  # blocks at the end of the previous record
         self._freed_aborts: list[str] = []  # freed after their sample in this step (ABORT.AFTER_NEXT_SAMPLE)
+        self._cut: set[str] = set()  # scheduled in the last step without sampling: a cut prefill
         self._ratio = config.new_token_ratio_init  # new_token_ratio at the end of the previous record
         self._vtc: dict[str, float] = {}  # vtc_counters at the end of the previous record that logged them
         self._ordinals_registered: set[int] = set()  # every block ordinal any request registered (cache_dedup)
@@ -278,6 +279,7 @@ class LogChecker:
                               and self.reqs[rid].abort_pending and self.reqs[rid].state == "running"]
         for rid in self._freed_aborts:
             self._end(rid, s, "aborted", "aborted")
+        self._cut = {rid for rid, _ in rec.scheduled if rid not in rec.sampled}
         self._check_level_fields(rec)
         self._check_memory(rec)
         throughout = [r.request_id for r in running_at_start if r.request_id not in rec.preempted]
@@ -384,9 +386,9 @@ class LogChecker:
             r = self.req(rid)
             if r.source is not None and r.source.abort_at != s:
                 self.flag("REQ.AFTER_ARRIVAL", s, rid, f"aborted at step {s}; the trace aborts it at {r.source.abort_at}", "aborted")
-            if r.state == "running" and self.cfg.abort_running == "after-next-sample":
+            if r.state == "running" and self.cfg.abort_running == "after-next-sample" and rid not in self._cut:
                 r.abort_pending = True  # ABORT.AFTER_NEXT_SAMPLE: it ends after its next sample
-                continue
+                continue  # (a prefill the last step cut is freed at once: ABORT.CUT_PREFILL_AT_ONCE)
             if r.state in ("running", "swapped"):
                 r.computed = 0
             self._end(rid, s, "aborted", "aborted")

@@ -123,3 +123,18 @@ def test_a_corrupted_async_log_is_still_flagged():
     early = copy.deepcopy(records)
     early[k - 1].sampled[rid] = early[k].sampled.pop(rid)
     assert "SAMPLE.AFTER_PREFILL" in {v.invariant for v in check_log(DecisionLog("x", "exact", early), cfg, trace).violations}
+
+
+@pytest.mark.parametrize("profile", sorted(__import__("spec.config", fromlist=["PROFILES"]).PROFILES))
+def test_spec_logs_of_every_profile_keep_every_invariant(profile):
+    """The black-box checker holds each profile's own rules (SGLang's deferred abort of a running
+    request and its cut prefill freed at once, prefill-first batches, VTC, ...): the spec's logs of
+    random traces with aborts, request features and edge values are clean."""
+    from fuzz.generate import random_trace
+    from spec.scheduler import run
+
+    for seed in range(40):
+        trace = random_trace(seed, profile=profile, aborts=True, request_features=True, edges=True,
+                             tight_memory=seed % 2 == 0)
+        report = check_log(DecisionLog("spec", "exact", run(trace)), resolve(trace.config), trace)
+        assert report.violations == [], (seed, report.violations[:3])
