@@ -23,6 +23,7 @@ are equal within a relative 1e-9.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -516,6 +517,14 @@ def _was_swapped(history: list[StepRecord], request: str) -> bool:
     return swapped
 
 
+def _hit_differs(spec: StepRecord, engine: StepRecord | None) -> str | None:
+    """The first request both sides admitted in this step with prefix hits of different sizes, or None."""
+    if engine is None or not spec.cache_hits or not engine.cache_hits:
+        return None
+    return next((rid for rid in sorted(set(spec.cache_hits) & set(engine.cache_hits))
+                 if spec.cache_hits[rid] != engine.cache_hits[rid]), None)
+
+
 def memory_rule(name: str, spec: StepRecord | None, engine: StepRecord | None, request: str | None,
                 history: list[StepRecord] = ()) -> tuple[str | None, str | None, str | None]:
     """``(rule, request, why)``: the spec rule behind the spec's value of memory field ``name`` at this
@@ -523,6 +532,8 @@ def memory_rule(name: str, spec: StepRecord | None, engine: StepRecord | None, r
     that is not about memory.  ``history``: the spec's records before this step (for an eviction,
     the release that left the block cached; for CPU blocks, whether an aborted request was swapped).
 
+    * a request both sides admitted in this step with prefix hits of different sizes: ``CACHE.HIT``
+      for ``num_free_blocks``, and for its ``blocks`` / ``block_ids``;
     * ``blocks`` / ``block_ids`` of a request admitted with a prefix hit: ``CACHE.HIT``; of another
       request: ``KV.NO_FREE_BLOCKS`` (how many blocks an allocation takes) for a count, ``KV.FREE_ORDER``
       (which blocks the free queue hands out) for ids;
@@ -542,8 +553,9 @@ def memory_rule(name: str, spec: StepRecord | None, engine: StepRecord | None, r
         return "CACHE.HIT", request, None
     if name == "new_token_ratio":
         return "ESTIMATE.RATIO", request, None
+    missed = _hit_differs(spec, engine)  # (a hit the two sides saw differently moves every figure after it)
     if name in ("blocks", "block_ids"):
-        if request in hit:
+        if request in hit or request == missed:
             return "CACHE.HIT", request, f"{request} was admitted with a prefix hit"
         if name == "block_ids" and engine is not None:
             same = one_release(spec, engine, request, history)
@@ -551,6 +563,9 @@ def memory_rule(name: str, spec: StepRecord | None, engine: StepRecord | None, r
                 return "KV.FREE_REVERSED", request, same
         return ("KV.NO_FREE_BLOCKS" if name == "blocks" else "KV.FREE_ORDER"), request, None
     if name == "num_free_blocks":
+        if missed is not None:
+            return "CACHE.HIT", missed, f"{missed}'s prefix hit differs: {(spec.cache_hits or {}).get(missed)} " \
+                                        f"tokens for the spec, {(engine.cache_hits or {}).get(missed)} for the engine"
         if engine is not None and spec.ref_counts is not None and engine.ref_counts is not None \
                 and spec.ref_counts != engine.ref_counts:  # a block's references differ: the event on that block
             return ref_rule(spec, engine, history)
@@ -823,7 +838,24 @@ def configured_rule(rule: str | None, name: str, spec: StepRecord | None, engine
     stopped differently (:func:`stop_gate_blame`), an admission that ended exactly on the budget
     (:func:`budget_fit_blame`), else ``rule`` as the configuration spells it (:func:`as_configured`)."""
     return leaf_eviction_blame(name, spec, engine, config) or stop_gate_blame(rule, name, spec, engine, config) or \
+        walk_skip_blame(rule, name, spec, engine, request, config) or \
         budget_fit_blame(rule, name, spec, engine, request, config) or as_configured(rule, config)
+
+
+def walk_skip_blame(rule: str | None, name: str, spec: StepRecord | None, engine: StepRecord | None,
+                    request: str | None, config: dict[str, Any]) -> str | None:
+    """``RUN.PREEMPT_FOR_BLOCKS`` for a report that names a victim's give-back for a running request
+    the engine left out, when the engine's batch with the victims' tokens still had room for it
+    under max_num_batched_tokens (:func:`walk_skipped`); None otherwise."""
+    if name != "scheduled" or not str(rule or "").startswith("PREEMPT.VICTIM_"):
+        return None
+    from spec.config import ConfigError, resolve
+
+    try:
+        budget = resolve(config).max_num_batched_tokens
+    except (ConfigError, TypeError, ValueError):
+        return None
+    return "RUN.PREEMPT_FOR_BLOCKS" if walk_skipped(spec, engine, request, budget) else None
 
 
 def ended_rule(history: Iterable[StepRecord], request: str | None) -> str | None:
@@ -1107,6 +1139,42 @@ def _after_self_preemption(record: StepRecord, request: str) -> bool:
 _BUDGETED = ("scheduled", "new", "resumed")
 
 
+def _victims_before(spec: StepRecord, request: str) -> tuple[int, int] | None:
+    """``(given back, served)``: the tokens this step's victims were served before they were
+    preempted ahead of ``request``'s own ``RUN.*`` reason, and the tokens ``request`` was served
+    (from the reasons' ``"N tokens"``); None when ``request`` was not served after a victim."""
+    served: dict[str, int] = {}
+    given_back, victim = 0, False
+    for r in spec.reasons or ():
+        rule, rid = str(r.get("rule", "")), r.get("request")
+        if rule.startswith("PREEMPT.VICTIM_"):
+            given_back, victim = given_back + served.pop(rid, 0), True
+        elif rule.startswith(("RUN.DECODE", "RUN.PREFILL_CHUNK")) and rid is not None:
+            got = re.match(r"(\d+) tokens", str(r.get("text", "")))
+            served[rid] = int(got[1]) if got else 0
+            if rid == request:
+                return (given_back, served[rid]) if victim else None
+    return None
+
+
+def walk_skipped(spec: StepRecord | None, engine: StepRecord | None, request: str | None,
+                 budget: int | None = None) -> bool:
+    """Whether the engine left out of its batch a running request the spec served after a
+    preemption of the same step, where the budget cannot explain it: the spec served it more
+    tokens than the victims gave back, or (``budget``: max_num_batched_tokens) the engine's batch
+    plus the victims' tokens left room for it.  The running phase's walk, which goes on with the
+    next request once the victim is out (``RUN.PREEMPT_FOR_BLOCKS``), skipped it — an engine that
+    only kept the victims' tokens (``budget_giveback_rule``) would still have served it."""
+    if spec is None or engine is None or request is None or request in dict(engine.scheduled):
+        return False
+    found = _victims_before(spec, request)
+    if found is None or found[0] == 0:
+        return False
+    given_back, served = found
+    room = budget is not None and sum(n for _, n in engine.scheduled) + given_back + served <= budget
+    return given_back < served or room
+
+
 def budget_giveback_rule(record: StepRecord | None, request: str | None) -> tuple[str, str] | None:
     """``(victim rule, victim)`` when the spec's tokens for ``request`` at this step came after a
     victim scheduled earlier in the same step gave its tokens back to the budget: the step's
@@ -1208,9 +1276,13 @@ def first_divergence(spec_records: Iterable[StepRecord], engine_records: Iterabl
                                   b if late[0] == name else _value(e_rec, late[0], e is None), late[1], late[2],
                                   f"the spec ended {late[1]} before this step ({late[2]})", DECISION, engine, context)
             giveback = budget_giveback_rule(s, request) if name in _BUDGETED else None
+            if giveback is not None and name == "scheduled" and walk_skipped(s, e, request):
+                giveback = ("RUN.PREEMPT_FOR_BLOCKS", request)  # not its budget: the walk never reached it
             previous = history[-1] if history and history[-1].step < step else None
             degree = decision_cause(name, s, e, request, previous, history) if giveback is None else None
-            if giveback is not None:
+            if giveback is not None and giveback[0] == "RUN.PREEMPT_FOR_BLOCKS":
+                rule, text = giveback[0], f"{request} runs on after this step's preemption; the engine's running phase skipped it"
+            elif giveback is not None:
                 rule, text = giveback[0], f"{giveback[1]} was preempted after it was scheduled in this step: its tokens went back to the budget"
             elif degree is not None:
                 rule, text = degree, f"the spec's {name} for {request} under {degree} ({text or 'no reason recorded'})"

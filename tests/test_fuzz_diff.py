@@ -315,3 +315,41 @@ def test_an_eviction_blame_names_the_eviction_rule_of_the_traces_configuration()
         trace = Trace(config={"profile": profile}, requests=[TraceRequest(id="a", prompt_len=4, max_tokens=2)])
         result = ReplayResult(trace, "engine", "memory", eng_recs, spec_recs, div)
         assert group_signature(result) == ("decision", "num_evicted", rule)
+
+
+def test_a_prefix_hit_seen_differently_is_named_before_the_free_count_it_moves():
+    """Both sides admitted r2, the engine with a hit of 8 tokens: the free count that differs in the
+    same step names CACHE.HIT for r2, not the allocation (KV.NO_FREE_BLOCKS) it changed."""
+    base = dict(step=12, scheduled=[("r3", 17), ("r2", 1)], new=["r3", "r2"], blocks={"r2": 1}, num_evicted=0)
+    spec_side = StepRecord(**base, cache_hits={"r3": 0, "r2": 0}, num_free_blocks=13)
+    engine = StepRecord(**{**base, "blocks": {"r2": 3}}, cache_hits={"r3": 0, "r2": 8}, num_free_blocks=11)
+    d = first_divergence([spec_side], [engine], "memory")
+    assert (d.field, d.request, d.rule) == ("num_free_blocks", "r2", "CACHE.HIT")
+    engine.cache_hits = {"r3": 0, "r2": 0}  # the same hits: the allocation is what differs
+    assert first_divergence([spec_side], [engine], "memory").rule == "KV.NO_FREE_BLOCKS"
+
+
+def _victim_step(tokens_r3):
+    reasons = [{"rule": "RUN.DECODE", "text": "1 tokens (9 left)", "request": "r1"},
+               {"rule": "PREEMPT.VICTIM_LOWEST_PRIORITY", "text": "preempted so that r2 gets blocks", "request": "r1"},
+               {"rule": "RUN.DECODE", "text": "1 tokens (9 left)", "request": "r2"},
+               {"rule": "RUN.PREFILL_CHUNK", "text": f"{tokens_r3} tokens (0 left)", "request": "r3"}]
+    return StepRecord(step=18, scheduled=[("r2", 1), ("r3", tokens_r3)], preempted=["r1"], reasons=reasons)
+
+
+def test_a_running_request_skipped_after_a_preemption_names_the_walk_not_the_giveback():
+    """The engine left r3 out after preempting r1.  r3 was served more than r1 gave back, so the
+    budget cannot explain it: the running walk (RUN.PREEMPT_FOR_BLOCKS).  Served exactly what r1 gave
+    back, it is the give-back (the victim rule) unless the budget shows room for r3 anyway."""
+    from fuzz.diff import configured_rule
+
+    engine = StepRecord(step=18, scheduled=[("r2", 1)], preempted=["r1"])
+    d = first_divergence([_victim_step(9)], [engine], "decisions")
+    assert (d.field, d.request, d.rule) == ("scheduled", "r3", "RUN.PREEMPT_FOR_BLOCKS")
+    d = first_divergence([_victim_step(1)], [engine], "decisions")
+    assert d.rule == "PREEMPT.VICTIM_LOWEST_PRIORITY"
+    config = {"profile": "vllm-v1", "policy": "priority"}
+    assert configured_rule(d.rule, "scheduled", _victim_step(1), engine, "r3",
+                           {**config, "max_num_batched_tokens": 3}) == "RUN.PREEMPT_FOR_BLOCKS"  # 1 + 1 + 1 fit
+    assert configured_rule(d.rule, "scheduled", _victim_step(1), engine, "r3",
+                           {**config, "max_num_batched_tokens": 2}) != "RUN.PREEMPT_FOR_BLOCKS"  # no room without it
