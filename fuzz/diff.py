@@ -172,6 +172,7 @@ def _rid(item: Any) -> str | None:
 STATE_RULES = {
     "computed": "BUDGET.TOKENS",
     "vtc_counters": "VTC.CHARGE",
+    "vtc_lifts": "VTC.LIFT",
     "estimate_rem": "ESTIMATE.ADMIT",
     "estimate_parts": "ESTIMATE.ADMIT",
     "cache_registered": "CACHE.REGISTER_AT_ALLOCATION",
@@ -185,7 +186,7 @@ STATE_RULES = {
     "placeholders": "ASYNC.PLACEHOLDER",
     "waiting": "ARRIVE.QUEUED",
 }
-_FLOAT_FIELDS = ("vtc_counters", "estimate_rem", "estimate_parts")
+_FLOAT_FIELDS = ("vtc_counters", "vtc_lifts", "estimate_rem", "estimate_parts")
 
 #: The rule behind each term of the estimate's ``rem`` (state field ``estimate_parts``), in the
 #: order a report looks for the term that differs: the two reserves, then the free tokens.
@@ -240,11 +241,16 @@ def _state_divergence(step: int, s: StepRecord | None, e: StepRecord | None, lev
             return Divergence(step, name, _plain(a), _plain(b), None, ESTIMATE_TERMS[term],
                               f"the estimate's '{term}' term as the admission round began: the spec's "
                               f"{a.get(term)}, the engine's {b.get(term)}", DECISION, engine, list(s.reasons or []))
+        if name == "vtc_lifts":  # a tenant's lift at its arrival to an empty queue (VTC.LIFT's own figure)
+            tenant = sorted(_differing_tenants(a, b))[0]
+            return Divergence(step, name, _plain(a), _plain(b), None, "VTC.LIFT",
+                              f"tenant {tenant!r} arrived to its empty queue: the spec's lift left its counter at "
+                              f"{a.get(tenant)}, the engine's at {b.get(tenant)}", DECISION, engine, list(s.reasons or []))
         if name == "placeholders":  # the step's event on that request's tokens in flight
             request = _involved(name, a, b)
             rule, text = placeholder_rule(s, request)
             return Divergence(step, name, _plain(a), _plain(b), request, rule, text, DECISION, engine, list(s.reasons or []))
-        request = _involved(name, a, b) if name not in ("vtc_counters", "estimate_rem", "token_cap") else None
+        request = _involved(name, a, b) if name not in ("vtc_counters", "vtc_lifts", "estimate_rem", "token_cap") else None
         rule, text, context = spec_reason(s, request, name)
         if name == "computed" and request is not None:  # a victim's reset, or a request the spec ended
             cause = computed_rule(s, request, history())
@@ -256,7 +262,7 @@ def _state_divergence(step: int, s: StepRecord | None, e: StepRecord | None, lev
                 return Divergence(step, name, _plain(a), _plain(b), request, cause[0], cause[1], DECISION, engine, context)
         families = _FAMILIES[name]
         if request is None:  # a per-tenant or per-step figure: the step's first reason of its family
-            about = _differing_tenants(a, b) if name == "vtc_counters" else None
+            about = _differing_tenants(a, b) if name in ("vtc_counters", "vtc_lifts") else None
             cited = next((r for r in context if str(r.get("rule", "")).startswith(families)
                           and (about is None or r.get("tenant") in about)), None)
             rule, text = (cited.get("rule"), cited.get("text")) if cited else (None, None)
@@ -342,6 +348,7 @@ _FAMILIES = {
     "cache_hits": ("CACHE.", "ADMIT."),
     "computed": ("RUN.", "ADMIT.", "BUDGET.", "CACHE."),
     "vtc_counters": ("VTC.",),
+    "vtc_lifts": ("VTC.LIFT",),
     "estimate_rem": ("ESTIMATE.",),
     "estimate_parts": ("ESTIMATE.",),
     "cache_registered": ("CACHE.",),
@@ -895,11 +902,32 @@ def ghost(spec: StepRecord | None, engine: StepRecord | None, history: list[Step
     return None
 
 
+def _drafts_differ(spec: StepRecord, engine: StepRecord, request: str) -> bool:
+    """Both logs carry ``drafts`` and schedule ``request``, with other draft counts for it."""
+    if spec.drafts is None or engine.drafts is None or request not in dict(spec.scheduled) \
+            or request not in dict(engine.scheduled):
+        return False
+    return spec.drafts.get(request, 0) != engine.drafts.get(request, 0)
+
+
+def _preempted_since_sample(history: Iterable[StepRecord], request: str) -> bool:
+    """Whether ``request`` was preempted after the last step in which it sampled (the spec's records)."""
+    for rec in reversed(list(history)):
+        if request in rec.preempted:
+            return True
+        if request in rec.sampled:
+            return False
+    return False
+
+
 def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None, request: str | None,
                    previous: StepRecord | None = None, history: Iterable[StepRecord] = ()) -> str | None:
     """The rule behind the spec's value when the two sides decided the same thing differently in
     degree, not in kind — the request's own ``RUN.*`` / ``ADMIT.*`` reason says only that it ran:
 
+    * ``scheduled``, the request on both sides with other draft counts (``drafts``, when both logs carry
+      it): the drafts' rule — discarded at a preemption since it last sampled (``SPEC.PREEMPT_DISCARDS``),
+      else how drafts are scheduled (``SPEC.DRAFT_SCHEDULE``);
     * ``scheduled``, the request on both sides with a different token count: its prefix hit when the
       two sides' hits differ (``CACHE.HIT``), else the token rule (``BUDGET.TOKENS``); a continuing
       request on one side only, where the other side's batch stops just before it: the token rule;
@@ -932,6 +960,8 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
     if name in _BUDGETED and spec.token_cap is not None and engine.token_cap is not None \
             and spec.token_cap != engine.token_cap:  # the per-request cap differs: the cap rule decided it
         return "BUDGET.LONG_PREFILL"
+    if name == "scheduled" and _drafts_differ(spec, engine, request):  # its drafts are what differ in its count
+        return "SPEC.PREEMPT_DISCARDS" if _preempted_since_sample(history, request) else "SPEC.DRAFT_SCHEDULE"
     if hit_differs(spec, engine, request):  # admitted on both sides, with another prefix hit: all else follows
         return "CACHE.HIT"
     if name in _BUDGETED and _earlier_hit_differs(spec, engine, request):  # (its blocks decided what came after)

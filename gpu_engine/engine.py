@@ -462,6 +462,8 @@ class GpuEngine:
             rec.placeholders = dict(zip(self._names(live), xp.to_list(s.placeholders[live])))
         if s.tc is not None:
             rec.vtc_counters = {name: float(s.tc.counter[t]) for name, t in s.tc.index.items()}
+            names = {t: name for name, t in s.tc.index.items()}
+            rec.vtc_lifts, s.tc.lifts = {names[t]: value for t, value in s.tc.lifts.items()}, {}
         registered, s.registered = s.registered, {}
         if self.level == "decisions":
             return

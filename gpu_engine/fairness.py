@@ -31,6 +31,7 @@ class TenantCounters:
         self.weight = np.ones(2)
         self.waiting = np.zeros(2, dtype=np.int64)
         self.last_left: int | None = None
+        self.lifts: dict[int, float] = {}  # tenant -> counter after its lift, since the last record
 
     def tenant(self, name: str) -> int:
         """The tenant's number, registering it (counter 0) when first seen."""
@@ -57,6 +58,7 @@ class TenantCounters:
                 self.counter[t] = max(self.counter[t], self.counter[:n][others].min())
             elif self.last_left is not None and self.last_left != t:
                 self.counter[t] = max(self.counter[t], self.counter[self.last_left])
+            self.lifts[t] = float(self.counter[t])  # (logged state: the lift as tested, until the step's record)
         self.waiting[t] += 1
 
     def requeue(self, t: int) -> None:

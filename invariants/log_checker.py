@@ -941,6 +941,11 @@ class LogChecker:
                               f"{self._vtc.get(tenant, 0.0)} (VTC counters never decrease)", "vtc_counters")
             for tenant in sorted(set(self._vtc) - set(rec.vtc_counters)):
                 self.flag("LOG.STATE_CONSISTENT", s, None, f"tenant {tenant!r} left the counters", "vtc_counters")
+            for tenant, value in (rec.vtc_lifts or {}).items():  # a lift never lowers; the charges only add
+                end = rec.vtc_counters.get(tenant, -1.0)
+                if value < self._vtc.get(tenant, 0.0) - 1e-9 * max(1.0, value) or value > end + 1e-9 * max(1.0, end):
+                    self.flag("LOG.STATE_CONSISTENT", s, None, f"tenant {tenant!r}: lifted to {value}, between "
+                              f"{self._vtc.get(tenant, 0.0)} before and {end} after the step", "vtc_lifts")
             self._vtc = dict(rec.vtc_counters)
         if rec.estimate_rem is not None and (cfg.admission != "estimate" or rec.estimate_rem > cfg.usable_blocks * bs):
             self.flag("LOG.STATE_CONSISTENT", s, None, f"estimate_rem {rec.estimate_rem} above the pool's "

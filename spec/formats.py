@@ -324,6 +324,9 @@ class StepRecord:
     # running request, or one waiting after a preemption (swapped out too) -> num_computed_tokens, end of step
     computed: dict[str, int] | None = None
     vtc_counters: dict[str, float] | None = None  # policy="vtc": tenant -> virtual token counter, end of step
+    # policy="vtc": tenant -> its counter right after VTC.LIFT, each tenant whose request arrived to its
+    # empty queue in this step (lifted or not), before the step's charges
+    vtc_lifts: dict[str, float] | None = None
     estimate_rem: float | None = None  # admission="estimate": rem_total_tokens as the admission round began
     # its terms, rem = free - running - chunks: free tokens, the running requests' estimated outputs
     # (ESTIMATE.RUNNING_RATIO), the continued chunks' charges (ESTIMATE.CONTINUED_CHUNK)
@@ -407,6 +410,7 @@ class StepRecord:
             reasons=obj.get("reasons"),
             computed=obj.get("computed"),
             vtc_counters=obj.get("vtc_counters"),
+            vtc_lifts=obj.get("vtc_lifts"),
             estimate_rem=obj.get("estimate_rem"),
             estimate_parts=obj.get("estimate_parts"),
             cache_registered=obj.get("cache_registered"),
@@ -452,6 +456,7 @@ LEVEL_FIELDS = {
 #: and ``cached_blocks`` (a cache entry dropped or kept wrongly shows at once, not at a later hit).
 STATE_FIELDS = {
     "computed": "decisions",
+    "vtc_lifts": "decisions",
     "vtc_counters": "decisions",
     "estimate_parts": "memory",
     "estimate_rem": "memory",

@@ -1128,6 +1128,7 @@ class SpecEngine:
         self._aborted: list[str] = []
         self._rejected: list[tuple[str, str]] = []
         self._reasons: list[dict] = []
+        self._lifts: dict[str, float] = {}  # policy="vtc": tenant -> its counter after this step's VTC.LIFT
 
     # -- protocol --------------------------------------------------------
 
@@ -1168,6 +1169,8 @@ class SpecEngine:
             what += f"; tenant {tr.tenant!r} counter {self.waiting.counters[tr.tenant]:g}"
         self._reasons.append(reason(ARRIVE, tr.id, what))
         # (a counter bug there is a VTC.LIFT bug, not a charge's; a lift that moved nothing decided nothing)
+        if self.vtc and self.waiting.lifted is not None:  # (logged state: the lift as tested, moved or not)
+            self._lifts[self.waiting.lifted[0]] = self.waiting.lifted[2]
         if self.vtc and self.waiting.lifted is not None and self.waiting.lifted[1] != self.waiting.lifted[2]:
             tenant, before, after = self.waiting.lifted
             self._reasons.append(reason("VTC.LIFT", tr.id, f"tenant {tenant!r} was not backlogged: counter "
@@ -2163,6 +2166,7 @@ class SpecEngine:
                                    for r in chain(self.running, self.waiting, self.swapped) if r.num_output_placeholders}
         if self.vtc:
             record.vtc_counters = dict(self.waiting.counters)
+            record.vtc_lifts = dict(self._lifts)
         registered = self.kv.take_registered()
         if self.record_level == "decisions":
             return

@@ -147,7 +147,7 @@ def test_the_spec_logs_each_state_field_at_its_level():
     for level in ("decisions", "memory", "exact"):
         for rec in _state_log(trace, level):
             for name in STATE_FIELDS:
-                if name in ("vtc_counters", "estimate_rem", "estimate_parts", "drafts", "accepted", "token_cap", "placeholders"):
+                if name in ("vtc_counters", "vtc_lifts", "estimate_rem", "estimate_parts", "drafts", "accepted", "token_cap", "placeholders"):
                     continue  # only under policy=vtc / admission=estimate / speculative decoding / a long-prefill
                     # cap / async scheduling
                 carried = rec.to_json(level).get(name) is not None
@@ -353,3 +353,30 @@ def test_a_running_request_skipped_after_a_preemption_names_the_walk_not_the_giv
                            {**config, "max_num_batched_tokens": 3}) == "RUN.PREEMPT_FOR_BLOCKS"  # 1 + 1 + 1 fit
     assert configured_rule(d.rule, "scheduled", _victim_step(1), engine, "r3",
                            {**config, "max_num_batched_tokens": 2}) != "RUN.PREEMPT_FOR_BLOCKS"  # no room without it
+
+
+def test_other_draft_counts_name_the_draft_rules():
+    """A request scheduled with drafts the spec does not give it: discarded drafts kept over a
+    preemption since it last sampled (SPEC.PREEMPT_DISCARDS), else the draft schedule."""
+    before = [StepRecord(step=1, scheduled=[("A", 5)], sampled={"A": 7}), StepRecord(step=2, preempted=["A"]),
+              StepRecord(step=3, scheduled=[("A", 8)], resumed=["A"], drafts={})]
+    spec_side = StepRecord(step=4, scheduled=[("A", 6)], drafts={},
+                           reasons=[{"rule": "RUN.PREFILL_CHUNK", "text": "6 tokens (2 left)", "request": "A"}])
+    engine = StepRecord(step=4, scheduled=[("A", 8)], drafts={"A": 2})
+    d = first_divergence(before + [spec_side], before[:2] + [copy.deepcopy(before[2]), engine], "decisions")
+    assert (d.step, d.field, d.request, d.rule) == (4, "scheduled", "A", "SPEC.PREEMPT_DISCARDS")
+    d = first_divergence([before[0], spec_side], [before[0], engine], "decisions")  # no preemption in between
+    assert d.rule == "SPEC.DRAFT_SCHEDULE"
+    spec_side.drafts = engine.drafts = None  # (drafts not logged: the token rule)
+    assert first_divergence([before[0], spec_side], [before[0], engine], "decisions").rule != "SPEC.DRAFT_SCHEDULE"
+
+
+def test_a_lift_that_differs_is_named_at_the_arrival():
+    """vtc_lifts: each tenant's counter right after its lift, compared before the counters (which
+    the step's charges also move): a wrong lift names VTC.LIFT at the arrival, the tenant in the text."""
+    spec_side = StepRecord(step=4, vtc_lifts={"t0": 1.0}, vtc_counters={"t0": 2.0, "t1": 24.3})
+    engine = StepRecord(step=4, vtc_lifts={"t0": 24.3}, vtc_counters={"t0": 25.3, "t1": 24.3})
+    d = first_divergence([spec_side], [engine], "decisions")
+    assert (d.field, d.rule) == ("vtc_lifts", "VTC.LIFT") and "'t0'" in d.reason
+    engine.vtc_lifts = {"t0": 1.0}  # the same lift: the charge is what differs
+    assert first_divergence([spec_side], [engine], "decisions").field == "vtc_counters"

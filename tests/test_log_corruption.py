@@ -478,6 +478,13 @@ def vtc_counter_decreases(recs, trace):
     return "vtc_counters"
 
 
+def vtc_lift_above_the_counter(recs, trace):
+    rec = next(r for r in recs if r.get("vtc_lifts"))
+    tenant = next(iter(rec["vtc_lifts"]))
+    rec["vtc_lifts"][tenant] = rec["vtc_counters"][tenant] + 100.0
+    return "vtc_lifts"
+
+
 def hit_block_wrong_id(recs, trace):
     rec = _rec(recs, lambda r: r["hit_blocks"])
     ids = next(iter(rec["hit_blocks"].values()))
@@ -534,6 +541,7 @@ CORRUPTIONS = [
     Corruption(swapped_in_not_resumed, trace="swap"),
     # the optional state fields (issue 18)
     Corruption(computed_plus_one), Corruption(computed_of_finished), Corruption(vtc_counter_decreases, trace="vtc"),
+    Corruption(vtc_lift_above_the_counter, trace="vtc"),
     Corruption(registered_twice, levels=MEMORY), Corruption(registered_beyond_computed, levels=MEMORY),
     Corruption(estimate_rem_above_the_pool, trace="sglang", levels=MEMORY),
     Corruption(estimate_parts_not_adding_up, trace="sglang", levels=MEMORY), Corruption(hit_block_wrong_id, levels=EXACT),
