@@ -1,0 +1,36 @@
+"""The automatic triage of a finding (fuzz.triage.classify) on planted gpu_engine bugs: a knob value
+that merely switches off the mechanism whose state differed is no explanation, and a log the replay
+cut a few steps past the divergence is no evidence that requests never finish."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from fuzz.generate import random_trace
+from fuzz.triage import DELIBERATE, ENGINE_BUG, classify, explaining_knobs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import mutation_score as ms  # noqa: E402  (its planting mechanism)
+
+
+def test_a_vtc_bug_is_not_explained_by_switching_vtc_off():
+    """A VTC counter bug diverges on vtc_counters; under policy=fcfs the spec logs no counters, so the
+    comparison is skipped, not passed: policy=fcfs must not be offered as the engine's knob value."""
+    found = ms.first_divergent("vtc_weight_multiplies", (random_trace(seed, profile="vtc") for seed in range(60)))
+    assert found is not None
+    trace, result = found
+    assert result.divergence.field.startswith("vtc_")
+    knobs = explaining_knobs(trace, result.engine_records, result.level, result.divergence.step)
+    assert ("policy", "fcfs") not in knobs
+    triage = classify(result, "gpu")
+    assert triage["class"] != DELIBERATE or triage["knob"] != {"policy": "fcfs"}, triage
+
+
+def test_unfinished_requests_of_a_cut_replay_are_no_evidence():
+    """The replay stops a few steps past the first divergence: the engine's log then leaves requests
+    unfinished, which is no engine bug (LIVE.EVERY_REQUEST_ENDS is left out of the triage's evidence)."""
+    found = ms.first_divergent("wrong_victim", (random_trace(seed, n_requests=10) for seed in range(60)))
+    assert found is not None
+    triage = classify(found[1], "gpu")
+    assert "LIVE.EVERY_REQUEST_ENDS" not in triage["invariants"], triage
+    assert triage["class"] != ENGINE_BUG or triage["invariants"], triage
