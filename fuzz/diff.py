@@ -189,8 +189,10 @@ STATE_RULES = {
 _FLOAT_FIELDS = ("vtc_counters", "vtc_lifts", "estimate_rem", "estimate_parts")
 
 #: The rule behind each term of the estimate's ``rem`` (state field ``estimate_parts``), in the
-#: order a report looks for the term that differs: the two reserves, then the free tokens.
-ESTIMATE_TERMS = {"running": "ESTIMATE.RUNNING_RATIO", "chunks": "ESTIMATE.CONTINUED_CHUNK", "free": "ESTIMATE.ADMIT"}
+#: order a report looks for the term that differs: the running requests' remaining outputs (before
+#: the ratio scales them), the two reserves, then the free tokens.
+ESTIMATE_TERMS = {"outputs": "ESTIMATE.REMAINING", "running": "ESTIMATE.RUNNING_RATIO",
+                  "chunks": "ESTIMATE.CONTINUED_CHUNK", "free": "ESTIMATE.ADMIT"}
 
 
 def state_fields_at(level: str) -> tuple[str, ...]:

@@ -1120,14 +1120,15 @@ class Scheduler:
         (ratio 1 for ignore_eos: ESTIMATE.RUNNING_RATIO) over the running requests not continued
         in this step, minus each continued chunk's ``ceil_B(n) + B (+ min(max_tokens, clip) if it
         completes the prompt)`` (ESTIMATE.CONTINUED_CHUNK); host float64, sequential.  With its
-        three terms, for the log (``free``, ``running``, ``chunks``)."""
+        terms, for the log (``free``, ``outputs`` before the ratio, ``running``, ``chunks``)."""
         c, h, bs = self.config, self.be.host, self.bs
         slots_c, n_c = continued if continued is not None else (self.be.empty_int(), self.be.empty_int())
         run = self.running
         if len(slots_c):
             run = run[~xp.isin(run, slots_c)]
         ratio = np.where(h(self.ignore_eos[run]) == 1, 1.0, self.ratio)
-        held = (ratio * self._remaining_output(run)).astype(np.float64)
+        rest = self._remaining_output(run)
+        held = (ratio * rest).astype(np.float64)
         free = (self.pool.num_free + self.continued_blocks) * bs
         running = float(np.add.accumulate(held)[-1]) if len(held) else 0.0
         rem, chunks = free - running, 0
@@ -1135,7 +1136,7 @@ class Scheduler:
             last = int(self.num_computed_tokens[s]) + n >= int(self.num_tokens[s])
             charge = cdiv(n, bs) * bs + bs + (min(int(self.max_tokens[s]), c.clip_max_new_tokens) if last else 0)
             rem, chunks = rem - charge, chunks + charge
-        return rem, {"free": free, "running": running, "chunks": chunks}
+        return rem, {"free": free, "outputs": int(rest.sum()), "running": running, "chunks": chunks}
 
     def _retraction_order(self, slots: Array, n: Array):
         """RETRACT.BATCH_ORDER after a retraction: the running slots sorted by (outputs, -prompt),

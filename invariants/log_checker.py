@@ -955,6 +955,9 @@ class LogChecker:
                 abs(parts["free"] - parts["running"] - parts["chunks"] - rec.estimate_rem) > 1e-6 * max(1.0, abs(rec.estimate_rem)):
             self.flag("LOG.STATE_CONSISTENT", s, None, f"estimate_parts {parts}: free - running - chunks is not "
                       f"estimate_rem {rec.estimate_rem}", "estimate_parts")
+        if parts is not None and parts["running"] > parts["outputs"] + 1e-6 * max(1.0, parts["outputs"]):
+            self.flag("LOG.STATE_CONSISTENT", s, None, f"estimate_parts {parts}: the running reserve is more than "
+                      f"the outputs it scales (a ratio above 1)", "estimate_parts")
         if rec.admit_stop is not None:
             spent = sum(n for _, n in rec.scheduled)
             if rec.admit_stop not in ADMIT_STOPS or (rec.admit_stop == "budget" and spent != cfg.max_num_batched_tokens):

@@ -329,7 +329,8 @@ class StepRecord:
     vtc_lifts: dict[str, float] | None = None
     estimate_rem: float | None = None  # admission="estimate": rem_total_tokens as the admission round began
     # its terms, rem = free - running - chunks: free tokens, the running requests' estimated outputs
-    # (ESTIMATE.RUNNING_RATIO), the continued chunks' charges (ESTIMATE.CONTINUED_CHUNK)
+    # (ESTIMATE.RUNNING_RATIO), the continued chunks' charges (ESTIMATE.CONTINUED_CHUNK); and
+    # ``outputs``, the running requests' remaining outputs before the ratio (ESTIMATE.REMAINING)
     estimate_parts: dict[str, float] | None = None
     cache_registered: dict[str, list[int]] | None = None  # request -> block ordinals registered in the prefix cache
     hit_blocks: dict[str, list[int]] | None = None  # admitted request -> ids of its prefix-hit blocks

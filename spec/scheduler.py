@@ -1816,20 +1816,22 @@ class SpecEngine:
         """ESTIMATE.ADMIT's ``rem`` as the admission round begins: free tokens (as before this
         step's continued chunks took theirs), minus each running request's estimated remaining
         output (ESTIMATE.RUNNING_RATIO; a continued prefill is not running yet), minus each
-        continued chunk's charge (ESTIMATE.CONTINUED_CHUNK), in that order.  The three terms are
-        logged too (state field ``estimate_parts``: ``free``, ``running``, ``chunks``), so that a
-        report names the term that differs, not only the total."""
+        continued chunk's charge (ESTIMATE.CONTINUED_CHUNK), in that order.  The terms are logged
+        too (state field ``estimate_parts``: ``free``, ``running``, ``chunks``, and ``outputs``, the
+        running requests' remaining outputs before the ratio, ESTIMATE.REMAINING), so that a report
+        names the term that differs, not only the total."""
         cfg, ratio = self.config, self.new_token_ratio
         free = (self.kv.pool.num_free_blocks + sum(st.continued.values())) * cfg.block_size
-        running = sum(running_ratio(r, ratio) * remaining_output(r, cfg) for r in self.running
-                      if r.request_id not in st.continued)
+        running_now = [r for r in self.running if r.request_id not in st.continued]
+        outputs = sum(remaining_output(r, cfg) for r in running_now)
+        running = sum(running_ratio(r, ratio) * remaining_output(r, cfg) for r in running_now)
         rem, chunks = free - running, 0
         for rid in st.continued:
             req = self.requests[rid]
             charge = continued_chunk_charge(st.scheduled[rid], req.num_computed_tokens + st.scheduled[rid] >= req.num_tokens,
                                             req, cfg)
             rem, chunks = rem - charge, chunks + charge
-        st.out.estimate_parts = {"free": free, "running": running, "chunks": chunks}
+        st.out.estimate_parts = {"free": free, "outputs": outputs, "running": running, "chunks": chunks}
         return rem
 
     def _allocate_step(self, req: Request, n: int, hit_blocks: list, hit: int):

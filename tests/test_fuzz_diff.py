@@ -189,13 +189,13 @@ def test_memory_state_is_not_compared_at_the_decisions_level(records):
     assert (d.field, d.rule) == ("estimate_rem", "ESTIMATE.ADMIT")
 
 
-@pytest.mark.parametrize("term, rule", [("running", "ESTIMATE.RUNNING_RATIO"), ("chunks", "ESTIMATE.CONTINUED_CHUNK"),
-                                        ("free", "ESTIMATE.ADMIT")])
+@pytest.mark.parametrize("term, rule", [("outputs", "ESTIMATE.REMAINING"), ("running", "ESTIMATE.RUNNING_RATIO"),
+                                        ("chunks", "ESTIMATE.CONTINUED_CHUNK"), ("free", "ESTIMATE.ADMIT")])
 def test_the_estimate_term_that_differs_names_its_rule(records, term, rule):
     """Two estimates whose totals differ by one term: the report names that term's rule, at the
     step where it differed, before the total (which only says that the estimate differs)."""
     spec_side, engine = copy.deepcopy(records), copy.deepcopy(records)
-    parts = {"free": 4096, "running": 300.5, "chunks": 48}
+    parts = {"free": 4096, "outputs": 500, "running": 300.5, "chunks": 48}
     spec_side[1].estimate_parts, engine[1].estimate_parts = dict(parts), {**parts, term: parts[term] + 16}
     spec_side[1].estimate_rem, engine[1].estimate_rem = 3747.5, 3747.5 + (16 if term == "free" else -16)
     assert first_divergence(spec_side, engine, "decisions") is None  # (memory-level state)

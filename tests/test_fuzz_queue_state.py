@@ -217,6 +217,7 @@ def test_tokens_in_flight_that_differ_name_the_preemption_or_the_stale_output():
                                                                           "tight_memory": True}),
     # SGLang's estimate: the term of rem that differs (estimate_parts), the test that refused the head
     ("running_ratio_ignores_eos", "ESTIMATE.RUNNING_RATIO", {"profile": "sglang"}),
+    ("estimate_unclipped", "ESTIMATE.REMAINING", {"profile": "sglang", "clip_max_new_tokens": 4}),
     ("continued_chunk_no_block", "ESTIMATE.CONTINUED_CHUNK", {"profile": "sglang", "tight_memory": True}),
     ("own_hit_unlocked", "ESTIMATE.OWN_HIT_LOCKED", {"profile": "sglang", "enable_prefix_caching": True,
                                                      "prefix_groups": True, "tight_memory": True}),
