@@ -1059,6 +1059,7 @@ class SpecEngine:
                                    "ADMIT.RESERVE_SEQUENCE": self._allocate_sequence}.get(plan.reservation,
                                                                                            self._allocate_step)
         self.free_victim = self._preempt_by_swap if plan.preempt == "SWAP.OUT" else self._preempt_by_recompute
+        self._free_planned = self.free_victim  # (CACHE.EVICT_ON_RETRACT wraps it below)
         self.requeue = self._requeue_tail if plan.requeue == "RETRACT.TO_TAIL" else self.waiting.prepend
         self.on_schedule = [self._charge] if "VTC.CHARGE" in plan.on_schedule else []
         refusals = {"REJECT.PROMPT_TOO_LONG": self._refuse_prompt_too_long, "REJECT.NEVER_FITS": self._refuse_never_fits,
@@ -2088,9 +2089,10 @@ class SpecEngine:
         self._cut = [s.request_id for s in out.scheduled if not s.samples]
 
     def _retract_evicting(self, req: Request, out: SchedulerOutput) -> None:
-        """CACHE.EVICT_ON_RETRACT (rule in :func:`retract_eviction_target`)."""
+        """CACHE.EVICT_ON_RETRACT (rule in :func:`retract_eviction_target`); the victim itself is freed
+        as any victim is under the plan (recompute, or SWAP.OUT under preemption_mode="swap")."""
         self.kv.pool.evict_all()
-        self._preempt_by_recompute(req, out)
+        self._free_planned(req, out)
         self.kv.pool.make_room(retract_eviction_target(self.running, self.config))
 
     def _register_computed(self, out: SchedulerOutput) -> None:
