@@ -34,3 +34,18 @@ def test_unfinished_requests_of_a_cut_replay_are_no_evidence():
     triage = classify(found[1], "gpu")
     assert "LIVE.EVERY_REQUEST_ENDS" not in triage["invariants"], triage
     assert triage["class"] != ENGINE_BUG or triage["invariants"], triage
+
+
+def test_replay_prints_request_ids_in_brackets_and_no_cut_liveness(tmp_path, capsys):
+    """`batchspec replay` on a planted bug: request ids in brackets survive the console (not taken as
+    markup), and the replay's cut log is not reported as leaving requests unfinished."""
+    from batchspec.cli import main
+    from spec.io import write_trace
+
+    trace, _ = ms.first_divergent("wrong_victim", (random_trace(seed, n_requests=10) for seed in range(60)))
+    write_trace(trace, tmp_path / "t.jsonl")
+    with ms.planted(next(m for m in ms.MUTANTS if m.name == "wrong_victim")):
+        assert main(["replay", str(tmp_path / "t.jsonl"), "--engine", "gpu"]) == 1
+    out = capsys.readouterr().out
+    assert "PREEMPT.VICTIM_NEWEST [r" in out
+    assert "LIVE.EVERY_REQUEST_ENDS" not in out
