@@ -96,9 +96,11 @@ STEERING: dict[str, dict[str, Any]] = {
     "VTC.LIFT": {"policy": "vtc", "aborts": True},
     # a preempted request's return to its tenant's queue (no lift: its tenant never left)
     "VTC.QUEUE": {"policy": "vtc", "tight_memory": True},
-    # a low, fast-decaying estimate admits more than memory holds: a decode must retract
+    # a low, fast-decaying estimate admits more than memory holds: a decode must retract; few
+    # retract_decode_steps, so that the ratio a retraction sets, min(1, (outputs + steps x n) /
+    # (sum max_tokens + 1)), is below 1 (with SGLang's 20 and outputs of 1-40 it is 1 on both sides)
     "RETRACT.": {"admission": "estimate", "tight_memory": True, "new_token_ratio_init": 0.2,
-                 "new_token_ratio_decay_steps": 4},
+                 "new_token_ratio_decay_steps": 4, "retract_decode_steps": 2},
     # an eviction order shows only when cached blocks are popped again: a short pool
     "CACHE.EVICT": {"prefix_groups": True, "enable_prefix_caching": True, "clones": True, "tight_memory": True},
     # the estimate's rules bind when memory is short and prefills are cut: a continued chunk's charge,
@@ -151,6 +153,11 @@ COMBINATIONS: dict[str, dict[str, Any]] = {
                                       "max_num_batched_tokens": 16, "n_requests": 12},
     # a request preempted with its token in flight that this token stops leaves its tenant's queue
     "VTC x async scheduling": {"policy": "vtc", "async_scheduling": True, "tight_memory": True, "n_requests": 12},
+    # a prefill continued first in the next step (nano-vllm, SGLang) under a long-prefill cap: the profiles
+    # that continue prefills fix the cap at 0, so no target drew the two together
+    "continued prefill x long-prefill cap": {"prefill_chunking": "first-continues", "batching": "prefill-first",
+                                             "enable_chunked_prefill": True, "long_prefill_token_threshold": 4,
+                                             "max_num_batched_tokens": 16},
 }
 
 MAX_STEPS = 3000  # random traces finish in a few hundred steps

@@ -938,7 +938,8 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
       ahead of it): the order preempted requests wait in (``QUEUE.VICTIM_TO_FRONT``);
     * any of ``scheduled`` / ``new`` / ``resumed`` in a step whose per-request token cap differs
       (``token_cap``, when both logs carry it): the cap rule (``BUDGET.LONG_PREFILL``), whose
-      statement says who is capped and who, alone, is not;
+      statement says who is capped and who, alone, is not; the same for ``scheduled`` where both
+      logs apply the same cap and the engine gave the request more than it, the spec not;
     * ``scheduled`` / ``new`` / ``resumed``, a request the spec admits where the engine admits nobody, right after a
       step in which the spec held admission (``previous``, the spec's record before): the spec released
       the hold the engine kept (``ESTIMATE.HOLD_UNTIL_DEPARTURE``);
@@ -962,6 +963,9 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
     if name in _BUDGETED and spec.token_cap is not None and engine.token_cap is not None \
             and spec.token_cap != engine.token_cap:  # the per-request cap differs: the cap rule decided it
         return "BUDGET.LONG_PREFILL"
+    if name == "scheduled" and spec.token_cap and spec.token_cap == engine.token_cap \
+            and dict(spec.scheduled).get(request, 0) <= spec.token_cap < dict(engine.scheduled).get(request, 0):
+        return "BUDGET.LONG_PREFILL"  # (the engine gave it more than the cap both say the step applied)
     if name == "scheduled" and _drafts_differ(spec, engine, request):  # its drafts are what differ in its count
         return "SPEC.PREEMPT_DISCARDS" if _preempted_since_sample(history, request) else "SPEC.DRAFT_SCHEDULE"
     if hit_differs(spec, engine, request):  # admitted on both sides, with another prefix hit: all else follows

@@ -380,3 +380,14 @@ def test_a_lift_that_differs_is_named_at_the_arrival():
     assert (d.field, d.rule) == ("vtc_lifts", "VTC.LIFT") and "'t0'" in d.reason
     engine.vtc_lifts = {"t0": 1.0}  # the same lift: the charge is what differs
     assert first_divergence([spec_side], [engine], "decisions").field == "vtc_counters"
+
+
+def test_a_chunk_past_the_cap_both_logs_apply_names_the_cap_rule():
+    """Both logs say the step capped prefills at 4 tokens (token_cap); the engine continued r5 with 5:
+    the cap rule, not the token budget."""
+    spec_side = StepRecord(step=1, scheduled=[("r5", 4)], token_cap=4,
+                           reasons=[{"rule": "RUN.CONTINUE_PREFILL_FIRST", "text": "4 tokens (1 left)", "request": "r5"}])
+    engine = StepRecord(step=1, scheduled=[("r5", 5)], token_cap=4)
+    assert first_divergence([spec_side], [engine], "decisions").rule == "BUDGET.LONG_PREFILL"
+    engine.scheduled = [("r5", 3)]  # fewer tokens than the cap: not the cap's doing
+    assert first_divergence([spec_side], [engine], "decisions").rule != "BUDGET.LONG_PREFILL"
