@@ -422,7 +422,7 @@ INTERACTIONS: tuple[Interaction, ...] = (
                 _same_request(("ASYNC.STALE_OUTPUT",), ("STOP.",)),
                 {**_PRESSURE, "async_scheduling": True, "preemption_mode": "recompute", "admission": "budget",
                  "eos": True},
-                {"async_scheduling": (True,)}),
+                {"async_scheduling": (True,), "preemption_mode": ("recompute",)}),  # (async scheduling never swaps)
     Interaction("ignore_eos-reserve x running batch",
                 "SGLang's reserve admission of an ignore_eos request while others run: the simulation of every "
                 "request's remaining outputs (an ignore_eos one's unscaled, the rest's by the ratio) decides",

@@ -406,3 +406,14 @@ def test_a_victim_resumed_ahead_of_its_turn_names_the_queue_rule():
     assert named(spec) == ("resumed", "QUEUE.VICTIM_TO_FRONT")
     held = [StepRecord(7, scheduled=[("C", 1)], reasons=[reason("RUN.DECODE", "C"), reason("ADMIT.WATERMARK", "B")])]
     assert named(held) == ("resumed", "ADMIT.WATERMARK")
+
+
+def test_an_interaction_that_needs_recompute_is_unreachable_under_a_fixed_swap():
+    """Async scheduling never swaps: with --set preemption_mode=swap the stale-output interaction (async)
+    cannot be met, and steering towards it would only draw configurations the spec refuses."""
+    from fuzz.capabilities import for_engine
+    from fuzz.pairs import reachable_interactions
+
+    envelope = for_engine("gpu")
+    assert "stale output x preempted" in reachable_interactions(envelope)
+    assert "stale output x preempted" not in reachable_interactions(envelope, None, {"preemption_mode": "swap"})
