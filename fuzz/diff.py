@@ -904,6 +904,22 @@ def ghost(spec: StepRecord | None, engine: StepRecord | None, history: list[Step
     return None
 
 
+#: The stop rule of each finish reason that a sampled token decides (the rest are lengths: STOP.LENGTH).
+_TOKEN_STOPS = {"eos": "STOP.EOS", "stop_token": "STOP.STOP_TOKEN"}
+
+
+def _token_stop_between(spec: StepRecord, engine: StepRecord, request: str | None) -> str | None:
+    """Both sides finish ``request`` in this step for different reasons, one of them a token's (EOS, a
+    stop token) and the other a length: the token's stop rule — the side that stopped on the token
+    fired it where the other did not (an EOS an ``ignore_eos`` request must not stop on), or the
+    other side missed it or put the length first (the token rules state their order); None otherwise."""
+    a, b = dict(map(tuple, spec.finished)).get(request), dict(map(tuple, engine.finished)).get(request)
+    if a is None or b is None or a == b:
+        return None
+    tokens = [_TOKEN_STOPS[w] for w in (a, b) if w in _TOKEN_STOPS]
+    return tokens[0] if len(tokens) == 1 else None
+
+
 def _drafts_differ(spec: StepRecord, engine: StepRecord, request: str) -> bool:
     """Both logs carry ``drafts`` and schedule ``request``, with other draft counts for it."""
     if spec.drafts is None or engine.drafts is None or request not in dict(spec.scheduled) \
@@ -966,6 +982,10 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
     if name == "scheduled" and spec.token_cap and spec.token_cap == engine.token_cap \
             and dict(spec.scheduled).get(request, 0) <= spec.token_cap < dict(engine.scheduled).get(request, 0):
         return "BUDGET.LONG_PREFILL"  # (the engine gave it more than the cap both say the step applied)
+    if name == "finished":
+        token_stop = _token_stop_between(spec, engine, request)
+        if token_stop is not None:
+            return token_stop
     if name == "scheduled" and _drafts_differ(spec, engine, request):  # its drafts are what differ in its count
         return "SPEC.PREEMPT_DISCARDS" if _preempted_since_sample(history, request) else "SPEC.DRAFT_SCHEDULE"
     if hit_differs(spec, engine, request):  # admitted on both sides, with another prefix hit: all else follows

@@ -391,3 +391,14 @@ def test_a_chunk_past_the_cap_both_logs_apply_names_the_cap_rule():
     assert first_divergence([spec_side], [engine], "decisions").rule == "BUDGET.LONG_PREFILL"
     engine.scheduled = [("r5", 3)]  # fewer tokens than the cap: not the cap's doing
     assert first_divergence([spec_side], [engine], "decisions").rule != "BUDGET.LONG_PREFILL"
+
+
+def test_a_token_stop_against_a_length_stop_names_the_token_rule():
+    """Both sides finish A in the same step, one on EOS (or a stop token), the other on a length: the
+    token's stop rule, whichever side stopped on it."""
+    spec_side = StepRecord(step=2, scheduled=[("A", 1)], sampled={"A": 9}, finished=[("A", "max_model_len")],
+                           reasons=[{"rule": "STOP.LENGTH", "text": "finished: max_model_len", "request": "A"}])
+    engine = StepRecord(step=2, scheduled=[("A", 1)], sampled={"A": 9}, finished=[("A", "eos")])
+    assert first_divergence([spec_side], [engine], "decisions").rule == "STOP.EOS"
+    spec_side.finished, engine.finished = [("A", "stop_token")], [("A", "max_tokens")]
+    assert first_divergence([spec_side], [engine], "decisions").rule == "STOP.STOP_TOKEN"
