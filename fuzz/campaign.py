@@ -151,8 +151,9 @@ COMBINATIONS: dict[str, dict[str, Any]] = {
     "SLO admission x prefill-first": {"policy": "edf", "slo_admission": "defer", "batching": "prefill-first",
                                       "tight_memory": True, "enable_chunked_prefill": True,
                                       "max_num_batched_tokens": 16, "n_requests": 12},
-    # a request preempted with its token in flight that this token stops leaves its tenant's queue
-    "VTC x async scheduling": {"policy": "vtc", "async_scheduling": True, "tight_memory": True, "n_requests": 12},
+    # a request preempted with its token in flight that this token stops (EOS drawn) leaves its tenant's queue
+    "VTC x async scheduling": {"policy": "vtc", "async_scheduling": True, "tight_memory": True, "n_requests": 12,
+                               "eos": True},
     # a prefill continued first in the next step (nano-vllm, SGLang) under a long-prefill cap: the profiles
     # that continue prefills fix the cap at 0, so no target drew the two together
     "continued prefill x long-prefill cap": {"prefill_chunking": "first-continues", "batching": "prefill-first",
