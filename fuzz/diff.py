@@ -252,7 +252,7 @@ def _state_divergence(step: int, s: StepRecord | None, e: StepRecord | None, lev
             request = _involved(name, a, b)
             rule, text = placeholder_rule(s, request)
             return Divergence(step, name, _plain(a), _plain(b), request, rule, text, DECISION, engine, list(s.reasons or []))
-        request = _involved(name, a, b) if name not in ("vtc_counters", "vtc_lifts", "estimate_rem", "token_cap") else None
+        request = _involved(name, a, b) if name not in ("vtc_counters", "estimate_rem", "token_cap") else None
         rule, text, context = spec_reason(s, request, name)
         if name == "computed" and request is not None:  # a victim's reset, or a request the spec ended
             cause = computed_rule(s, request, history())
@@ -264,7 +264,7 @@ def _state_divergence(step: int, s: StepRecord | None, e: StepRecord | None, lev
                 return Divergence(step, name, _plain(a), _plain(b), request, cause[0], cause[1], DECISION, engine, context)
         families = _FAMILIES[name]
         if request is None:  # a per-tenant or per-step figure: the step's first reason of its family
-            about = _differing_tenants(a, b) if name in ("vtc_counters", "vtc_lifts") else None
+            about = _differing_tenants(a, b) if name == "vtc_counters" else None
             cited = next((r for r in context if str(r.get("rule", "")).startswith(families)
                           and (about is None or r.get("tenant") in about)), None)
             rule, text = (cited.get("rule"), cited.get("text")) if cited else (None, None)
@@ -527,11 +527,10 @@ def _was_swapped(history: list[StepRecord], request: str) -> bool:
 
 
 def _hit_differs(spec: StepRecord, engine: StepRecord | None) -> str | None:
-    """The first request both sides admitted in this step with prefix hits of different sizes, or None."""
-    if engine is None or not spec.cache_hits or not engine.cache_hits:
-        return None
-    return next((rid for rid in sorted(set(spec.cache_hits) & set(engine.cache_hits))
-                 if spec.cache_hits[rid] != engine.cache_hits[rid]), None)
+    """The first request both sides admitted in this step with prefix hits of different sizes
+    (:func:`hit_differs`), or None."""
+    both = set(spec.cache_hits or {}) & set((engine.cache_hits if engine else None) or {})
+    return next((rid for rid in sorted(both) if hit_differs(spec, engine, rid)), None)
 
 
 def memory_rule(name: str, spec: StepRecord | None, engine: StepRecord | None, request: str | None,
@@ -1332,12 +1331,11 @@ def first_divergence(spec_records: Iterable[StepRecord], engine_records: Iterabl
                                   b if late[0] == name else _value(e_rec, late[0], e is None), late[1], late[2],
                                   f"the spec ended {late[1]} before this step ({late[2]})", DECISION, engine, context)
             giveback = budget_giveback_rule(s, request) if name in _BUDGETED else None
-            if giveback is not None and name == "scheduled" and walk_skipped(s, e, request):
-                giveback = ("RUN.PREEMPT_FOR_BLOCKS", request)  # not its budget: the walk never reached it
+            skipped = giveback is not None and name == "scheduled" and walk_skipped(s, e, request)
             previous = history[-1] if history and history[-1].step < step else None
             degree = decision_cause(name, s, e, request, previous, history) if giveback is None else None
-            if giveback is not None and giveback[0] == "RUN.PREEMPT_FOR_BLOCKS":
-                rule, text = giveback[0], f"{request} runs on after this step's preemption; the engine's running phase skipped it"
+            if skipped:  # not its budget: the walk never reached it
+                rule, text = "RUN.PREEMPT_FOR_BLOCKS", f"{request} runs on after this step's preemption; the engine's running phase skipped it"
             elif giveback is not None:
                 rule, text = giveback[0], f"{giveback[1]} was preempted after it was scheduled in this step: its tokens went back to the budget"
             elif degree is not None:

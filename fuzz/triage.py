@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from fuzz.diff import Divergence, as_configured, first_divergence, spec_reason, STATE_RULES
-from fuzz.replay import SideError, Stepper, make_engine, replay_records
+from fuzz.replay import SideError, Stepper, engine_log_violations, make_engine, replay_records
 from spec.config import resolve
 from spec.formats import StepRecord, Trace
 
@@ -516,17 +516,6 @@ def explaining_knobs(trace: Trace, engine_records: list[StepRecord], level: str,
     return out
 
 
-def _violations(result, knobs: dict[str, Any] | None = None) -> list:
-    """The invariants the engine's own log breaks (:mod:`invariants.log_checker`), under the trace's
-    configuration with ``knobs`` over it."""
-    from invariants.log_checker import check_log
-    from spec.formats import DecisionLog
-
-    trace = dataclasses.replace(result.trace, config={**result.trace.config, **(knobs or {})})
-    log = DecisionLog(result.engine, result.level, result.engine_records)
-    return check_log(log, resolve(trace.config), trace).violations
-
-
 def classify(result, engine: str) -> dict[str, Any]:
     """The automatic triage of a finding (``by: auto``, ``status: candidate``): see the classes above.
 
@@ -573,7 +562,7 @@ def classify(result, engine: str) -> dict[str, Any]:
                 "status": "documented" if doc else "candidate", "why": why,
                 "also": [{k: v} for k, v in explained if (k, v) != (knob, value)]}
     try:  # (the replay stops a few steps past the divergence: requests left unfinished there are no evidence)
-        broken = [v for v in _violations(result) if v.invariant != "LIVE.EVERY_REQUEST_ENDS"]
+        broken = engine_log_violations(result, cut=True)
     except Exception as e:  # noqa: BLE001  (a log the checker cannot read is no verdict)
         broken, out["why"] = [], f"the log checker failed: {type(e).__name__}: {e}; "
     if broken:

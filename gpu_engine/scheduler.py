@@ -122,7 +122,7 @@ class Batch:
     hit_blocks: dict[str, list[int]] = field(default_factory=dict)  # logged state: admitted -> prefix-hit block ids
     refused: list[tuple[str, str]] = field(default_factory=list)  # SLO admission control: (id, "slo_infeasible")
     estimate_rem: float | None = None  # logged state: rem_total_tokens when the first head was tested
-    estimate_parts: dict[str, float] | None = None  # logged state: its terms (free, running, chunks)
+    estimate_parts: dict[str, float] | None = None  # logged state: its terms (free, outputs, running, chunks)
     drafts: dict[str, int] = field(default_factory=dict)  # speculative decoding: request -> drafts scheduled
     accepts: dict[int, int] = field(default_factory=dict)  # slot -> drafts its verification accepts
     accepted: dict[str, int] = field(default_factory=dict)  # after the update: request -> drafts accepted

@@ -177,7 +177,7 @@ class SchedulerOutput:
     reasons: list[dict] = field(default_factory=list)
     hit_blocks: dict[str, list[int]] = field(default_factory=dict)  # admitted request -> its prefix-hit block ids
     estimate_rem: float | None = None  # admission="estimate": rem_total_tokens as the admission round began
-    estimate_parts: dict[str, float] | None = None  # its terms: free, running, chunks (rem = free - running - chunks)
+    estimate_parts: dict[str, float] | None = None  # its terms: free, outputs, running, chunks (rem = free - running - chunks)
     drafts: dict[str, int] = field(default_factory=dict)  # speculative decoding: request -> drafts scheduled
     padded: set[str] = field(default_factory=set)  # admissions padded with dummy drafts (SPEC.PAD_ADMISSION)
     token_cap: int | None = None  # logged state: the step's per-request token cap (BUDGET.LONG_PREFILL), when set
@@ -1824,8 +1824,9 @@ class SpecEngine:
         cfg, ratio = self.config, self.new_token_ratio
         free = (self.kv.pool.num_free_blocks + sum(st.continued.values())) * cfg.block_size
         running_now = [r for r in self.running if r.request_id not in st.continued]
-        outputs = sum(remaining_output(r, cfg) for r in running_now)
-        running = sum(running_ratio(r, ratio) * remaining_output(r, cfg) for r in running_now)
+        left = [remaining_output(r, cfg) for r in running_now]
+        outputs = sum(left)
+        running = sum(running_ratio(r, ratio) * n for r, n in zip(running_now, left))
         rem, chunks = free - running, 0
         for rid in st.continued:
             req = self.requests[rid]
