@@ -611,6 +611,9 @@ CATALOGUE_MUTANTS = [
            "the admission test did not count",
            _one_line(Scheduler, "_schedule_waiting", "budget -= xp.total(n[:count])",
                      "budget -= xp.total(cdiv(n[:count], self.bs) * self.bs)")),
+    Mutant("pad_context_off_by_one", "VLLM spec decode", "an admission with one token left is padded with dummy "
+           "drafts although they reach max_model_len (hit + K + 1 <= max_model_len, not + 2)",
+           _one_line(F, "draft_padding", "(hit_tokens + k + 2 <= max_model_len)", "(hit_tokens + k + 1 <= max_model_len)")),
 ]
 
 MUTANTS = [
@@ -803,6 +806,7 @@ AT_FAULT: dict[str, tuple[str, ...]] = {
     "finished_stays_running": ("STOP.EOS", "STOP.STOP_TOKEN", "STOP.LENGTH"),
     "admission_budget_not_charged": ("BUDGET.TOKENS",),
     "admission_charged_padded": ("BUDGET.TOKENS",),
+    "pad_context_off_by_one": ("SPEC.PAD_ADMISSION",),
 }
 
 

@@ -61,7 +61,7 @@ from typing import Any, Callable
 from fuzz.corpus import save_finding
 from fuzz.diff import SPAN, TOKENS
 from spec.io import OptionError
-from fuzz.generate import BUDGET_EDGE_SHARE, EDGE_SHARE, profile_knobs, random_trace
+from fuzz.generate import BUDGET_EDGE_SHARE, EDGE_SHARE, PAD_EDGE_SHARE, profile_knobs, random_trace
 from fuzz.pairs import BY_NAME as INTERACTION_BY_NAME, reachable_interactions, trace_pairs
 import fuzz.engines  # noqa: F401  (registers gpu, gpu-model, reference)
 from fuzz.replay import EngineConfigError, ReplayResult, replay, with_off_replay_check
@@ -1441,6 +1441,9 @@ def _valid(cfg: CampaignConfig, k: int, envelope, fixed: set[str], options: dict
             and keyed_rng(key, "budget_edge").random() < BUDGET_EDGE_SHARE:
         options = {**options, "budget_edge": True}  # a prompt filling a step's budget (fuzz.generate.budget_edge)
     options = spec_decode_draw(envelope, key, options, fixed)
+    if options.get("num_speculative_tokens") and "pad_edge" not in options and "interaction" not in options \
+            and keyed_rng(key, "pad_edge").random() < PAD_EDGE_SHARE:
+        options = {**options, "pad_edge": True}  # a context where a padded admission flips (fuzz.generate.pad_edge)
     options = _self_preempt_draw(envelope, key, options, fixed)
     return repair(options, fixed, envelope, key=key)
 

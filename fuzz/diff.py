@@ -943,8 +943,9 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
     degree, not in kind — the request's own ``RUN.*`` / ``ADMIT.*`` reason says only that it ran:
 
     * ``scheduled``, the request on both sides with other draft counts (``drafts``, when both logs carry
-      it): the drafts' rule — discarded at a preemption since it last sampled (``SPEC.PREEMPT_DISCARDS``),
-      else how drafts are scheduled (``SPEC.DRAFT_SCHEDULE``);
+      it): the drafts' rule — an admission's dummy drafts (``SPEC.PAD_ADMISSION``), discarded at a
+      preemption since it last sampled (``SPEC.PREEMPT_DISCARDS``), else how drafts are scheduled
+      (``SPEC.DRAFT_SCHEDULE``);
     * ``scheduled``, the request on both sides with a different token count: its prefix hit when the
       two sides' hits differ (``CACHE.HIT``), else the token rule (``BUDGET.TOKENS``); a continuing
       request on one side only, where the other side's batch stops just before it: the token rule;
@@ -986,6 +987,8 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
         if token_stop is not None:
             return token_stop
     if name == "scheduled" and _drafts_differ(spec, engine, request):  # its drafts are what differ in its count
+        if request in spec.new or request in spec.resumed:  # (an admission's drafts are dummies: the padding's)
+            return "SPEC.PAD_ADMISSION"
         return "SPEC.PREEMPT_DISCARDS" if _preempted_since_sample(history, request) else "SPEC.DRAFT_SCHEDULE"
     if hit_differs(spec, engine, request):  # admitted on both sides, with another prefix hit: all else follows
         return "CACHE.HIT"

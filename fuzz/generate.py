@@ -82,7 +82,7 @@ MAX_PROMPT = 80
 _KNOBS = {f.name for f in fields(SchedulerConfig)} - {"profile"}
 #: Generator switches accepted by :func:`random_trace` besides the knobs.
 SWITCHES = ("n_requests", "aborts", "stop_tokens", "eos", "prefix_groups", "rejections", "tight_memory", "clones", "stress",
-            "tenants", "slo", "request_features", "interaction", "ignore_eos", "edges", "budget_edge")
+            "tenants", "slo", "request_features", "interaction", "ignore_eos", "edges", "budget_edge", "pad_edge")
 #: Extreme corners a ``stress`` trace takes one to three of.
 STRESS = ("vocab", "block", "budget", "many", "short", "watermark")
 
@@ -306,7 +306,8 @@ def random_trace(seed: int, **options: Any) -> Trace:
     ``ignore_eos`` (bool: half the requests ignore EOS, not one in ten),
     ``tenants`` (int: that many tenants; drawn anyway under ``policy="vtc"``), ``edges`` (bool: a
     prompt at an arrival rule's boundary, :func:`_edge_prompts`), ``budget_edge`` (bool: a prompt
-    that fills a step's token budget exactly or by one token more, :func:`budget_edge`), ``interaction``
+    that fills a step's token budget exactly or by one token more, :func:`budget_edge`), ``pad_edge`` (bool:
+    a context length at which a padded speculative admission flips, :func:`pad_edge`), ``interaction``
     (str: a curated interaction of :data:`fuzz.pairs.INTERACTIONS`; the drawn trace is then
     reworked towards it by :func:`fuzz.pairs.shape_trace`, e.g. an abort timed into a swap-out).
     A ``stress`` trace also takes one to three of the extreme corners :data:`STRESS`.
@@ -411,6 +412,8 @@ def random_trace(seed: int, **options: Any) -> Trace:
                   name=f"random-{seed}", description=f"fuzz.generate.random_trace({seed})")
     if options.get("budget_edge"):
         trace = budget_edge(trace, random.Random(f"budget-edge:{seed}"))
+    if options.get("pad_edge"):
+        trace = pad_edge(trace, random.Random(f"pad-edge:{seed}"))
     if options.get("interaction"):  # steering towards two mechanisms at once (issue 18 item 2)
         from fuzz.pairs import shape_trace
 
@@ -498,6 +501,70 @@ def budget_edge(trace: Trace, rng: random.Random) -> Trace:
         return trace
     rid, grown = rng.choice(found)
     return replace(trace, requests=[replace(r, prompt_len=grown) if r.id == rid else r for r in trace.requests])
+
+
+#: The share of a campaign's speculative-decoding traces (not shaped towards an interaction) whose
+#: ``max_model_len`` is moved to where a padded admission flips (:func:`pad_edge`).
+PAD_EDGE_SHARE = 0.5
+
+
+def pad_edge(trace: Trace, rng: random.Random) -> Trace:
+    """``max_model_len`` moved to where SPEC.PAD_ADMISSION's context test flips for one admission.
+
+    A request admitted with one token left to compute (a prompt of one token, or one whose
+    prefix hit covers all but its last) is padded to ``1 + K`` tokens only while
+    ``hit + 1 + K + 1 <= max_model_len``.  The spec runs ``trace`` (decisions only); for one such
+    new admission (a padded one where there is one: its other conditions hold, the context alone
+    decides), ``max_model_len`` becomes ``prompt_len + K + 1`` (padded, the test holds
+    exactly) or one less (refused by one token): uniform draws of ``max_model_len`` almost never
+    land there.  A shorter context changes the run (longer prompts are refused), so the moved
+    trace is run again: kept only when, at the exact fit, the request is padded (else the context
+    is not what decides) and, one token less, still admitted with one token left; otherwise
+    ``trace`` comes back unchanged (one to three spec runs in all)."""
+    from fuzz.pairs import spec_run
+    from spec.config import ConfigError
+
+    config = resolve(trace.config)
+    k = config.num_speculative_tokens
+    if not k:
+        return trace
+    by_id = {r.id: r for r in trace.requests}
+
+    def ones(records: list[StepRecord]) -> list[tuple[str, int]]:
+        return [(rid, rec.drafts.get(rid, 0)) for rec in records for rid, n in rec.scheduled if rid in rec.new
+                and _one_left(n, rec.drafts.get(rid, 0), by_id[rid].prompt_len, rec, config.max_num_batched_tokens)]
+
+    drawn = ones(spec_run(trace, decisions_only=True))
+    found = sorted({rid for rid, drafts in drawn if drafts}) or sorted({rid for rid, _ in drawn})
+    if not found:
+        return trace
+    rid = rng.choice(found)
+    below = rng.randint(0, 1)
+
+    def edged(mml: int) -> Trace | None:
+        moved = replace(trace, config={**trace.config, "max_model_len": mml})
+        try:
+            resolve(moved.config)
+        except ConfigError:
+            return None
+        return moved
+
+    exact = edged(by_id[rid].prompt_len + k + 1)
+    if exact is None or not any(r == rid and drafts for r, drafts in ones(spec_run(exact, decisions_only=True))):
+        return trace  # (not padded even where the context allows it: the context does not decide)
+    if not below:
+        return exact
+    past = edged(by_id[rid].prompt_len + k)
+    return past if past is not None and any(r == rid for r, _ in ones(spec_run(past, decisions_only=True))) else trace
+
+
+def _one_left(n: int, drafts: int, prompt_len: int, rec: StepRecord, budget: int) -> bool:
+    """Whether an admission of ``n`` tokens (``drafts`` of them dummy drafts) computed only its
+    prompt's last token — a prompt of one token, or all the rest a prefix hit — and was not merely
+    cut to one token by a budget it used up (the decisions level logs no hits)."""
+    if n - drafts != 1:
+        return False
+    return drafts > 0 or prompt_len == 1 or sum(m for _, m in rec.scheduled) < budget
 
 
 def _uses_slo(cfg: dict[str, Any]) -> bool:

@@ -41,6 +41,6 @@ fi
 # batchspec (editable) and its light dependencies, and pytest for the `sglang` marker's tests
 "${PIP[@]}" -e . jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 \
     rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2 Pygments==2.21.0 safetensors==0.8.0
-"$V/bin/pip" install -q pytest
+"$V/bin/pip" install -q pytest pytest-xdist  # (pyproject's addopts run pytest -n auto)
 
 "$V/bin/python" -c "import fuzz.sglang_adapter as a; a.sglang_modules(); print('SGLang', a.SGLANG_VERSION, 'imports: ok')"

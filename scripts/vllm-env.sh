@@ -7,7 +7,7 @@ if ! "$V/bin/python" -c "import vllm" 2>/dev/null; then
     # CUDA-built torchvision/torchaudio/torchcodec break `import vllm` on a CPU-only machine
     "$V/bin/pip" uninstall -y -q torchvision torchaudio torchcodec
 fi
-if ! "$V/bin/python" -c "import batchspec, jsonschema, rich, pytest, hypothesis" 2>/dev/null; then
+if ! "$V/bin/python" -c "import batchspec, jsonschema, rich, pytest, xdist, hypothesis" 2>/dev/null; then
     "$V/bin/pip" install -q -e . --no-deps
-    "$V/bin/pip" install -q jsonschema rich pytest hypothesis numpy
+    "$V/bin/pip" install -q jsonschema rich pytest pytest-xdist hypothesis numpy  # (pyproject's addopts run pytest -n auto)
 fi

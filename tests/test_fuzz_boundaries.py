@@ -92,3 +92,41 @@ def test_budget_edge_traces_show_an_exact_fit_refused_under_the_gates_name(name,
     trace, grouped, replayed = found[0], group_signature(found[1])[2], found[1].divergence.rule
     assert grouped in ms.AT_FAULT[name] and replayed in ms.AT_FAULT[name], (grouped, replayed)
     assert replay(trace, "gpu", "exact").divergence is None
+
+
+def test_pad_edge_moves_the_context_to_where_a_padded_admission_flips():
+    """``pad_edge`` sets max_model_len to ``prompt_len + K + 1`` of a request admitted with one token
+    left (its padded decode then just fits: hit + 1 + K + 1 <= max_model_len) or one less (refused):
+    in the spec's run of the moved trace, that request is admitted with one token of its own, padded
+    exactly when the context allows it."""
+    from fuzz.pairs import spec_run
+
+    padded_at_edge = refused_past_it = 0
+    for seed in range(120):
+        base = random_trace(seed, num_speculative_tokens=2)
+        edged = random_trace(seed, num_speculative_tokens=2, pad_edge=True)
+        mml = edged.config["max_model_len"]
+        if mml == base.config["max_model_len"]:
+            continue
+        assert edged.requests == base.requests and {**edged.config, "max_model_len": 0} == \
+            {**base.config, "max_model_len": 0}  # (the context alone moved)
+        by_id = {r.id: r for r in edged.requests}
+        ones = [(by_id[rid].prompt_len + 2 + 1 - mml, rec.drafts.get(rid, 0)) for rec in spec_run(edged)
+                for rid, n in rec.scheduled if rid in rec.new and n - rec.drafts.get(rid, 0) == 1]
+        at_edge = [(below, drafts) for below, drafts in ones if below in (0, 1)]
+        assert at_edge, (seed, mml)
+        assert all(drafts == 0 for below, drafts in at_edge if below == 1)  # one token past: never padded
+        padded_at_edge += any(below == 0 and drafts for below, drafts in at_edge)
+        refused_past_it += any(below == 1 for below, _ in at_edge)
+    assert padded_at_edge >= 1 and refused_past_it >= 1, (padded_at_edge, refused_past_it)  # both sides of the edge
+
+
+def test_pad_edge_traces_show_a_padding_past_the_context_under_its_rule():
+    """With the padding's context test one token too loose planted, a pad-edge trace diverges within
+    150 seeds, agrees unplanted, and names SPEC.PAD_ADMISSION (a hunt's bug, missed on 3 seeds before)."""
+    traces = (random_trace(seed, num_speculative_tokens=k, pad_edge=True) for seed in range(150) for k in (2, 3))
+    found = ms.first_divergent("pad_context_off_by_one", traces)
+    assert found is not None, "no divergence in 300 pad-edge traces"
+    trace, grouped, replayed = found[0], group_signature(found[1])[2], found[1].divergence.rule
+    assert grouped == replayed == "SPEC.PAD_ADMISSION", (grouped, replayed)
+    assert replay(trace, "gpu", "exact").divergence is None

@@ -357,7 +357,8 @@ def test_a_running_request_skipped_after_a_preemption_names_the_walk_not_the_giv
 
 def test_other_draft_counts_name_the_draft_rules():
     """A request scheduled with drafts the spec does not give it: discarded drafts kept over a
-    preemption since it last sampled (SPEC.PREEMPT_DISCARDS), else the draft schedule."""
+    preemption since it last sampled (SPEC.PREEMPT_DISCARDS), else the draft schedule; an admission
+    padded on one side only, the padding (SPEC.PAD_ADMISSION)."""
     before = [StepRecord(step=1, scheduled=[("A", 5)], sampled={"A": 7}), StepRecord(step=2, preempted=["A"]),
               StepRecord(step=3, scheduled=[("A", 8)], resumed=["A"], drafts={})]
     spec_side = StepRecord(step=4, scheduled=[("A", 6)], drafts={},
@@ -369,6 +370,10 @@ def test_other_draft_counts_name_the_draft_rules():
     assert d.rule == "SPEC.DRAFT_SCHEDULE"
     spec_side.drafts = engine.drafts = None  # (drafts not logged: the token rule)
     assert first_divergence([before[0], spec_side], [before[0], engine], "decisions").rule != "SPEC.DRAFT_SCHEDULE"
+    admitted = StepRecord(step=4, scheduled=[("A", 6), ("B", 1)], new=["B"], drafts={})
+    padded = StepRecord(step=4, scheduled=[("A", 6), ("B", 3)], new=["B"], drafts={"B": 2})
+    d = first_divergence([before[0], admitted], [before[0], padded], "decisions")
+    assert (d.request, d.rule) == ("B", "SPEC.PAD_ADMISSION")  # an admission's drafts are the padding's dummies
 
 
 def test_a_lift_that_differs_is_named_at_the_arrival():
