@@ -789,7 +789,9 @@ def stop_gate_blame(rule: str | None, name: str, spec: StepRecord | None, engine
 
     * the engine admitted the spec's first requests and stopped short: the gate it stopped at,
       the same word as the spec's or not (it refused a head the spec admitted: ``seqs`` under a
-      wrong count names ``ADMIT.MAX_NUM_SEQS``);
+      wrong count names ``ADMIT.MAX_NUM_SEQS``) — but a head the spec admitted with one token of
+      its own, unpadded because its padded decode would pass ``max_model_len``, refused by the
+      engine's budget or blocks names the padding (``SPEC.PAD_ADMISSION``: the engine padded it);
     * the engine admitted past the spec's stop: the spec's gate, which the engine let through (unless
       the engine admitted that head with a prefix hit: the hit may be what differs; a head the spec's
       estimate refused only for its own hit's locked blocks names ``ESTIMATE.OWN_HIT_LOCKED``);
@@ -809,6 +811,8 @@ def stop_gate_blame(rule: str | None, name: str, spec: StepRecord | None, engine
     ours, theirs = _walk_admissions(spec), _walk_admissions(engine)
     if len(theirs) < len(ours) and ours[:len(theirs)] == theirs:
         word = engine.admit_stop
+        if word in ("budget", "blocks", "pad") and _unpadded_past_context(spec, ours[len(theirs)], cfg):
+            return "SPEC.PAD_ADMISSION"  # (the engine asked for the padded decode the context refuses)
     elif len(ours) < len(theirs) and theirs[:len(ours)] == ours:
         head = theirs[len(ours)]
         if spec.admit_stop == "estimate" and estimate_refusal(spec, "estimate", head) == "ESTIMATE.OWN_HIT_LOCKED":
@@ -836,6 +840,16 @@ def estimate_refusal(spec: StepRecord, word: str | None, request: str | None = N
 
 #: The estimate's tests of one candidate, each a refusal reason of the spec's.
 _ESTIMATE_TESTS = ("ESTIMATE.ADMIT", "ESTIMATE.IGNORE_EOS_RESERVE", "ESTIMATE.OWN_HIT_LOCKED")
+
+
+def _unpadded_past_context(spec: StepRecord, head: str, cfg: Any) -> bool:
+    """Whether the spec admitted ``head`` with one token of its own and no dummy drafts because
+    SPEC.PAD_ADMISSION's context test refused them (``hit + 1 + K + 1 > max_model_len``; the hit
+    from the spec's ``cache_hits``, 0 where not logged)."""
+    k = cfg.num_speculative_tokens
+    if not k or head not in spec.new or dict(spec.scheduled).get(head) != 1 or (spec.drafts or {}).get(head):
+        return False
+    return (spec.cache_hits or {}).get(head, 0) + k + 2 > cfg.max_model_len
 
 
 def configured_rule(rule: str | None, name: str, spec: StepRecord | None, engine: StepRecord | None,

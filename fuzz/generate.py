@@ -520,7 +520,9 @@ def pad_edge(trace: Trace, rng: random.Random) -> Trace:
     land there.  A shorter context changes the run (longer prompts are refused), so the moved
     trace is run again: kept only when, at the exact fit, the request is padded (else the context
     is not what decides) and, one token less, still admitted with one token left; otherwise
-    ``trace`` comes back unchanged (one to three spec runs in all)."""
+    ``trace`` comes back unchanged (one to four spec runs in all).  Drawn traces pad rarely (about
+    one in twenty): where the run pads nothing and caches prefixes, a later request is first made
+    to repeat an earlier one's whole blocks plus one token (:func:`_hit_all_but_last`)."""
     from fuzz.pairs import spec_run
     from spec.config import ConfigError
 
@@ -535,7 +537,14 @@ def pad_edge(trace: Trace, rng: random.Random) -> Trace:
                 and _one_left(n, rec.drafts.get(rid, 0), by_id[rid].prompt_len, rec, config.max_num_batched_tokens)]
 
     drawn = ones(spec_run(trace, decisions_only=True))
-    found = sorted({rid for rid, drafts in drawn if drafts}) or sorted({rid for rid, _ in drawn})
+    found = sorted({rid for rid, drafts in drawn if drafts})
+    if not found and config.enable_prefix_caching:  # none padded: make one request a candidate
+        shaped = _hit_all_but_last(trace, rng, k, config.block_size)
+        if shaped is not trace:
+            trace, by_id = shaped, {r.id: r for r in shaped.requests}
+            drawn = ones(spec_run(trace, decisions_only=True))
+            found = sorted({rid for rid, drafts in drawn if drafts})
+    found = found or sorted({rid for rid, _ in drawn})
     if not found:
         return trace
     rid = rng.choice(found)
@@ -556,6 +565,30 @@ def pad_edge(trace: Trace, rng: random.Random) -> Trace:
         return exact
     past = edged(by_id[rid].prompt_len + k)
     return past if past is not None and any(r == rid for r, _ in ones(spec_run(past, decisions_only=True))) else trace
+
+
+def _hit_all_but_last(trace: Trace, rng: random.Random, k: int, block_size: int) -> Trace:
+    """A later request ``y`` made to repeat an earlier request ``x``'s first whole blocks plus one
+    token of its own (its prompt then a prefix hit but for its last token: a padding candidate), and
+    ``x``'s prompt cut to at most K tokens past those blocks, so that ``x`` still fits the context
+    :func:`pad_edge` gives ``y`` (``hit + K + 2``).  Unchanged when no such pair exists."""
+    requests = trace.requests
+    pairs = [(i, j) for i, x in enumerate(requests) for j, y in enumerate(requests)
+             if x.prompt_len >= block_size and (y.arrival_step or 0) > (x.arrival_step or 0)]
+    if not pairs:
+        return trace
+    i, j = rng.choice(pairs)
+    x, y = requests[i], requests[j]
+    whole = x.prompt_len // block_size * block_size
+    x_len = whole + min(x.prompt_len - whole, k)
+    x_ids = x.prompt_token_ids(trace.vocab_size)[:x_len]
+    own = FIRST_SYNTHETIC_TOKEN + (x_ids[-1] + 1 - FIRST_SYNTHETIC_TOKEN) % (trace.vocab_size - FIRST_SYNTHETIC_TOKEN)
+    out = list(requests)
+    out[i] = replace(x, prompt_len=x_len, prefix_len=min(x.prefix_len, x_len),
+                     prompt=tuple(x_ids) if x.prompt is not None else None)
+    out[j] = replace(y, prompt=(*x_ids[:whole], own), prompt_len=whole + 1, prefix_group=None, prefix_len=0,
+                     cache_salt=x.cache_salt, skip_prefix_cache=False)
+    return replace(trace, requests=out)
 
 
 def _one_left(n: int, drafts: int, prompt_len: int, rec: StepRecord, budget: int) -> bool:
