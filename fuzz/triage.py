@@ -516,6 +516,45 @@ def explaining_knobs(trace: Trace, engine_records: list[StepRecord], level: str,
     return out
 
 
+#: Traces drawn with a finding's knobs on which a knob value that reproduces it is checked (:func:`contradicted`).
+CONSISTENCY_TRACES = 8
+
+
+def contradicted(trace: Trace, engine: str, level: str, values: list[tuple[str, Any]],
+                 traces: int = CONSISTENCY_TRACES) -> dict[tuple[str, Any], str]:
+    """Of the knob ``values`` under which the spec reproduces a finding's engine log, those the engine
+    does not have: on some trace drawn with the finding's knobs (seeds 0 to ``traces - 1``), the
+    engine agrees with the spec under the trace's own value and not under that one.  An engine that
+    deliberately has the value decides by it everywhere; one with a bug at a boundary that happens to
+    mimic it on one trace (a watermark ignored only at an exact fit) decides by the trace's own value
+    elsewhere.  Maps each refuted value to the name of the trace that refutes it; an engine that
+    cannot be run again (a recorded log) refutes nothing."""
+    from fuzz.generate import random_trace
+    from fuzz.replay import replay
+    from spec.config import ConfigError
+
+    out: dict[tuple[str, Any], str] = {}
+    for seed in range(traces):
+        try:
+            other = random_trace(seed, **trace.config)
+            mine = replay(other, engine, level)
+        except Exception:  # noqa: BLE001  (no engine to run, or a draw this engine refuses: no evidence)
+            continue
+        if mine.divergence is not None:
+            continue  # (it differs from the trace's own value here too: no evidence either way)
+        for knob, value in values:
+            if (knob, value) in out:
+                continue
+            try:
+                again = replay_records(dataclasses.replace(other, config={**other.config, knob: value}),
+                                       mine.engine_records, level, after=0)
+            except (ConfigError, ValueError, TypeError):
+                continue
+            if again.divergence is not None:
+                out[(knob, value)] = other.name
+    return out
+
+
 def classify(result, engine: str) -> dict[str, Any]:
     """The automatic triage of a finding (``by: auto``, ``status: candidate``): see the classes above.
 
@@ -543,6 +582,14 @@ def classify(result, engine: str) -> dict[str, Any]:
     # First, because the log checker judges a log by the trace's knob values: the invariants tied to
     # a knob (no admission in a step that preempted, ...) break when the engine has another value.
     explained = explaining_knobs(result.trace, result.engine_records, result.level, div.step)
+    undocumented = [kv for kv in explained if (engine, *kv) not in DOCUMENTED]
+    refuted = contradicted(result.trace, engine, result.level, undocumented) if undocumented else {}
+    explained = [kv for kv in explained if kv not in refuted]
+    if refuted and not explained:
+        (knob, value), name = next(iter(refuted.items()))
+        out["why"] = (f"{knob}={value} reproduces this trace but not the engine: on {name}, drawn with this trace's "
+                      f"knobs, the engine decides as {knob}={getattr(resolve(result.trace.config), knob)} and the spec "
+                      f"under {knob}={value} does not (nor does any other value that reproduces it); ")
     if explained:
         # the likeliest explanation first: a documented value; then a knob the trace leaves at its
         # profile's value (one the trace sets describes the scenario, not the engine); then a knob
@@ -554,6 +601,7 @@ def classify(result, engine: str) -> dict[str, Any]:
         explained.sort(key=lambda kv: ((engine, *kv) not in DOCUMENTED, kv[0] in result.trace.config, kv[0] not in own))
         knob, value = explained[0]
         doc = DOCUMENTED.get((engine, knob, value))
+    if explained:
         also = [f"{k}={v}" for k, v in explained if (k, v) != (knob, value)]
         why = (f"the spec agrees with the engine's log under {knob}={value}"
                + (f" (also: {', '.join(also[:4])})" if also else "")
@@ -564,7 +612,7 @@ def classify(result, engine: str) -> dict[str, Any]:
     try:  # (the replay stops a few steps past the divergence: requests left unfinished there are no evidence)
         broken = engine_log_violations(result, cut=True)
     except Exception as e:  # noqa: BLE001  (a log the checker cannot read is no verdict)
-        broken, out["why"] = [], f"the log checker failed: {type(e).__name__}: {e}; "
+        broken, out["why"] = [], out["why"] + f"the log checker failed: {type(e).__name__}: {e}; "
     if broken:
         ids = sorted({v.invariant for v in broken})
         first = broken[0]
@@ -572,6 +620,9 @@ def classify(result, engine: str) -> dict[str, Any]:
                 "why": f"the engine's own log breaks {', '.join(ids)} (first at step {first.step}: {first.evidence})"}
     # the report's "depends on the knob K" says the divergence needs the trace's own value of K (with the
     # profile's value spec and engine agree on the trace); that is no verdict on which side is right
+    if refuted:  # (a value reproduces this trace, but the engine does not have it)
+        return {**out, "why": out["why"] + "a decision divergence on a self-consistent engine log, not a deliberate "
+                                           "difference: a person decides (spec-wrong or engine-bug)"}
     return {**out, "why": out["why"] + "a decision divergence on a self-consistent engine log that the spec does not "
                                        "reproduce with any one knob value changed (a knob the report says the "
                                        "divergence depends on only shows where it appears): a person decides "

@@ -3,11 +3,14 @@ that merely switches off the mechanism whose state differed is no explanation, a
 cut a few steps past the divergence is no evidence that requests never finish."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 from fuzz.generate import random_trace
+from fuzz.replay import register_engine
 from fuzz.triage import DELIBERATE, ENGINE_BUG, classify, explaining_knobs
+from spec.scheduler import SpecEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import mutation_score as ms  # noqa: E402  (its planting mechanism)
@@ -49,3 +52,26 @@ def test_replay_prints_request_ids_in_brackets_and_no_cut_liveness(tmp_path, cap
     out = capsys.readouterr().out
     assert "PREEMPT.VICTIM_NEWEST [r" in out
     assert "LIVE.EVERY_REQUEST_ENDS" not in out
+
+
+def test_a_boundary_bug_that_mimics_a_knob_value_on_one_trace_is_not_called_deliberate():
+    """Refusing an exact fit without chunked prefill (a planted off-by-one) reproduces, on its trace,
+    SGLang's no_chunking_cap=exclusive; but on other traces drawn with the same knobs the engine
+    decides as the trace's own inclusive cap, which an engine that has the exclusive one never
+    does: the triage does not offer it as a deliberate difference (fuzz.triage.contradicted)."""
+    from fuzz.triage import contradicted
+
+    mutant = next(m for m in ms.MUTANTS if m.name == "admission_exact_fit_refused")
+    options = {"enable_chunked_prefill": False, "budget_edge": True}
+    trace, result = ms.first_divergent(mutant.name, (random_trace(seed, **options) for seed in range(200)))
+    knobs = explaining_knobs(trace, result.engine_records, result.level, result.divergence.step)
+    assert ("no_chunking_cap", "exclusive") in knobs  # (it does reproduce this trace)
+    with ms.planted(mutant):
+        refuted = contradicted(trace, "gpu", result.level, knobs)
+        triage = classify(result, "gpu")
+    assert ("no_chunking_cap", "exclusive") in refuted
+    assert triage["class"] != DELIBERATE and "no_chunking_cap=exclusive reproduces this trace but not the engine" \
+        in triage["why"], triage
+    register_engine("exclusive-cap", lambda t: SpecEngine.from_trace(
+        dataclasses.replace(t, config={**t.config, "no_chunking_cap": "exclusive"})))  # (an engine that has it)
+    assert ("no_chunking_cap", "exclusive") not in contradicted(trace, "exclusive-cap", result.level, knobs)
