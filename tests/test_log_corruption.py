@@ -27,7 +27,7 @@ from fuzz.generate import random_trace
 from invariants.log_checker import check_log
 from spec.config import resolve
 from spec.formats import LEVELS, LIMITS, DecisionLog, StepRecord
-from spec.io import FormatError, load_log, load_trace, write_log, write_trace
+from spec.io import FormatError, load_log, load_trace, write_trace
 from spec.scheduler import run
 
 ROOT = Path(__file__).resolve().parent.parent
