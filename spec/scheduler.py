@@ -1192,10 +1192,15 @@ class SpecEngine:
 
     def _refuse_input_limit(self, tr: TraceRequest) -> tuple[str, str, str] | None:
         why = input_limit(tr.prompt_len, self.config)
-        if why:
-            return ("REJECT.INPUT_LIMIT", why, f"prompt {tr.prompt_len} >= min(max_model_len, pool) - "
-                                               f"{INPUT_LIMIT_MARGIN} = {length_capacity(self.config) - INPUT_LIMIT_MARGIN}")
-        return None
+        if not why:
+            return None
+        limit = length_capacity(self.config) - INPUT_LIMIT_MARGIN
+        if tr.prompt_len >= limit:  # (the text names the test that refused it)
+            text = f"prompt {tr.prompt_len} >= min(max_model_len, pool) - {INPUT_LIMIT_MARGIN} = {limit}"
+        else:
+            text = (f"prompt {tr.prompt_len} leaves room for {output_room(tr.prompt_len, self.config)} output "
+                    f"tokens in {self.config.block_size}-token blocks (at least 1 needed)")
+        return ("REJECT.INPUT_LIMIT", why, text)
 
     def _clip_max_tokens(self, tr: TraceRequest, shape: dict) -> None:
         shape["max_tokens"], cut = clipped_max_tokens(tr.prompt_len, shape["max_tokens"], self.config)

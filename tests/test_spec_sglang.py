@@ -35,6 +35,19 @@ def test_input_limit_refuses_six_below_the_context_or_the_pool():
     assert steps({**SG, "length_limits": "reject"}, R("long", 26, 2))[0].new == ["long"]
 
 
+def test_an_input_limit_refusal_says_which_limit_refused_it():
+    """The reason names the test that refused the prompt: the input limit, or (blocks of more than
+    one token) an output room under one token, where the prompt is below the input limit."""
+    def text(config, prompt):
+        [r] = [r for r in steps(config, R("x", prompt, 2))[0].reasons if r["rule"] == "REJECT.INPUT_LIMIT"]
+        return r["text"]
+
+    assert text(SG, 26) == "prompt 26 >= min(max_model_len, pool) - 6 = 26"
+    # 11 blocks of 8 (88 slots, 82 context): 73 < 82 - 6, but 88 - 80 - 8 - 1 = -1 output tokens fit
+    paged = {**SG, "block_size": 8, "num_blocks": 12, "max_model_len": 82}
+    assert text(paged, 73) == "prompt 73 leaves room for -1 output tokens in 8-token blocks (at least 1 needed)"
+
+
 def test_clip_cuts_max_tokens_two_short_of_the_limit_and_admits_what_vllm_rejects():
     # 32 - 20 - 2 = 10 outputs at most: r finishes after 10 tokens (reason max_model_len), s asked 10
     recs = steps(SG, R("r", 20, 20), R("s", 20, 10))
