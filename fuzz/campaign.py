@@ -61,7 +61,7 @@ from typing import Any, Callable
 from fuzz.corpus import save_finding
 from fuzz.diff import SPAN, TOKENS
 from spec.io import OptionError
-from fuzz.generate import BUDGET_EDGE_SHARE, EDGE_SHARE, PAD_EDGE_SHARE, profile_knobs, random_trace
+from fuzz.generate import BUDGET_EDGE_SHARE, EDGE_SHARE, PAD_EDGE_SHARE, TURNS_SHARE, profile_knobs, random_trace
 from fuzz.pairs import BY_NAME as INTERACTION_BY_NAME, reachable_interactions, trace_pairs
 import fuzz.engines  # noqa: F401  (registers gpu, gpu-model, reference)
 from fuzz.replay import EngineConfigError, ReplayResult, replay, with_off_replay_check
@@ -1437,6 +1437,8 @@ def _valid(cfg: CampaignConfig, k: int, envelope, fixed: set[str], options: dict
         options = {**options, "request_features": True}  # a share of the traces, against an engine that has them
     if "edges" not in options and keyed_rng(key, "edges").random() < EDGE_SHARE:
         options = {**options, "edges": True}  # a prompt at an arrival rule's boundary (fuzz.generate._edge_prompts)
+    if "turns" not in options and keyed_rng(key, "turns").random() < TURNS_SHARE:
+        options = {**options, "turns": True}  # a request continues another's conversation (fuzz.generate.next_turn)
     if "budget_edge" not in options and "interaction" not in options \
             and keyed_rng(key, "budget_edge").random() < BUDGET_EDGE_SHARE:
         options = {**options, "budget_edge": True}  # a prompt filling a step's budget (fuzz.generate.budget_edge)

@@ -82,7 +82,8 @@ MAX_PROMPT = 80
 _KNOBS = {f.name for f in fields(SchedulerConfig)} - {"profile"}
 #: Generator switches accepted by :func:`random_trace` besides the knobs.
 SWITCHES = ("n_requests", "aborts", "stop_tokens", "eos", "prefix_groups", "rejections", "tight_memory", "clones", "stress",
-            "tenants", "slo", "request_features", "interaction", "ignore_eos", "edges", "budget_edge", "pad_edge")
+            "tenants", "slo", "request_features", "interaction", "ignore_eos", "edges", "budget_edge", "pad_edge",
+            "turns")
 #: Extreme corners a ``stress`` trace takes one to three of.
 STRESS = ("vocab", "block", "budget", "many", "short", "watermark")
 
@@ -260,6 +261,40 @@ def _clone(rng: random.Random, requests: list[TraceRequest], vocab: int) -> None
                           output_tokens=tuple(outs[: requests[i].max_tokens]))
 
 
+def next_turn(trace: Trace, rng: random.Random) -> Trace:
+    """A multi-turn conversation: a request that arrives after an earlier one finished (in the
+    spec's run, decisions only) gets as its prompt that request's prompt, the response it sampled
+    and a few new tokens, with its cache salt — a chat client's next turn.  Its prefix hit then
+    reaches blocks the earlier request filled with *generated* tokens (hashes chained through
+    outputs, salted from the first block), which independent prompts never share.  The trace is
+    unchanged when no request arrives after another finished, or the new prompt would not fit the
+    context or the pool."""
+    from fuzz.pairs import spec_run
+
+    config = resolve(trace.config)
+    done: dict[str, tuple[int, int]] = {}  # request -> (step it finished, tokens it sampled)
+    sampled: dict[str, int] = {}
+    for rec in spec_run(trace, decisions_only=True):
+        for rid in rec.sampled:
+            sampled[rid] = sampled.get(rid, 0) + 1
+        for rid, _ in rec.finished:
+            done[rid] = (rec.step, sampled.get(rid, 0))
+    pairs = [(x, y) for x in trace.requests if x.id in done for y in trace.requests
+             if y.arrival_step is not None and y.arrival_step > done[x.id][0]]
+    if not pairs:
+        return trace
+    long = [(x, y) for x, y in pairs if done[x.id][1] >= config.block_size]  # (a response that fills a block)
+    x, y = rng.choice(long or pairs)
+    response = [x.output_token(k, trace.vocab_size, trace.eos_token_id) for k in range(done[x.id][1])]
+    turn = [rng.randrange(FIRST_SYNTHETIC_TOKEN, trace.vocab_size) for _ in range(rng.randint(1, 8))]
+    prompt = (*x.prompt_token_ids(trace.vocab_size), *response, *turn)
+    peak = _blocks(_peak_slots(len(prompt), y.max_tokens, config.max_model_len), config.block_size)
+    if len(prompt) >= config.max_model_len or peak > config.usable_blocks:
+        return trace
+    turned = replace(y, prompt=prompt, prompt_len=len(prompt), prefix_group=None, prefix_len=0, cache_salt=x.cache_salt)
+    return replace(trace, requests=[turned if r.id == y.id else r for r in trace.requests])
+
+
 def _draw_tenants(rng: random.Random, cfg: dict[str, Any], requests: list[TraceRequest], options: dict[str, Any]) -> None:
     """Tenants (and, unless fixed, VTC weights and prices) for a fair-share trace.
 
@@ -307,7 +342,8 @@ def random_trace(seed: int, **options: Any) -> Trace:
     ``tenants`` (int: that many tenants; drawn anyway under ``policy="vtc"``), ``edges`` (bool: a
     prompt at an arrival rule's boundary, :func:`_edge_prompts`), ``budget_edge`` (bool: a prompt
     that fills a step's token budget exactly or by one token more, :func:`budget_edge`), ``pad_edge`` (bool:
-    a context length at which a padded speculative admission flips, :func:`pad_edge`), ``interaction``
+    a context length at which a padded speculative admission flips, :func:`pad_edge`), ``turns`` (bool: a
+    later request continues an earlier one's conversation, :func:`next_turn`), ``interaction``
     (str: a curated interaction of :data:`fuzz.pairs.INTERACTIONS`; the drawn trace is then
     reworked towards it by :func:`fuzz.pairs.shape_trace`, e.g. an abort timed into a swap-out).
     A ``stress`` trace also takes one to three of the extreme corners :data:`STRESS`.
@@ -412,6 +448,8 @@ def random_trace(seed: int, **options: Any) -> Trace:
                   name=f"random-{seed}", description=f"fuzz.generate.random_trace({seed})")
     if options.get("budget_edge"):
         trace = budget_edge(trace, random.Random(f"budget-edge:{seed}"))
+    if options.get("turns"):
+        trace = next_turn(trace, random.Random(f"turns:{seed}"))
     if options.get("pad_edge"):
         trace = pad_edge(trace, random.Random(f"pad-edge:{seed}"))
     if options.get("interaction"):  # steering towards two mechanisms at once (issue 18 item 2)
@@ -503,6 +541,9 @@ def budget_edge(trace: Trace, rng: random.Random) -> Trace:
     return replace(trace, requests=[replace(r, prompt_len=grown) if r.id == rid else r for r in trace.requests])
 
 
+#: The share of a campaign's traces in which a request continues another's conversation (:func:`next_turn`;
+#: plain ``random_trace(seed)`` never does: conformance runs keep their traces).
+TURNS_SHARE = 0.25
 #: The share of a campaign's speculative-decoding traces (not shaped towards an interaction) whose
 #: ``max_model_len`` is moved to where a padded admission flips (:func:`pad_edge`).
 PAD_EDGE_SHARE = 0.5

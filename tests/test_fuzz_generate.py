@@ -213,3 +213,43 @@ def test_budget_edge_grows_one_prompt_to_fill_a_steps_budget_and_shows_the_exact
         for o, n, v in saved:
             setattr(o, n, v)
     assert plain == 0 and shaped >= 3, (plain, shaped)
+
+
+def test_a_next_turn_continues_a_finished_conversation_and_reaches_its_output_blocks():
+    """``turns``: a request arriving after another finished gets that request's prompt, the response
+    it sampled and new tokens as its prompt, with its salt; in some traces its prefix hit then goes
+    past the earlier prompt, into blocks filled by generated tokens (fuzz.generate.next_turn)."""
+    from fuzz.pairs import spec_run
+
+    turned = deep = 0
+    for seed in range(100):
+        trace = random_trace(seed, turns=True, enable_prefix_caching=True)
+        base = random_trace(seed, enable_prefix_caching=True)
+        changed = [r for r, b in zip(trace.requests, base.requests) if r != b]
+        assert len(changed) <= 1
+        if not changed:
+            continue
+        turned += 1
+        [y] = changed
+        finished = {rid: rec.step for rec in spec_run(base) for rid, _ in rec.finished}
+        earlier = [x for x in base.requests if x.id != y.id and x.id in finished and finished[x.id] < y.arrival_step
+                   and list(y.prompt[:x.prompt_len]) == x.prompt_token_ids(base.vocab_size)
+                   and y.cache_salt == x.cache_salt and y.prompt_len > x.prompt_len]
+        assert earlier, (seed, y)
+        hit = max((rec.cache_hits or {}).get(y.id, 0) for rec in spec_run(trace))
+        deep += hit > max(x.prompt_len for x in earlier)
+    assert turned >= 40 and deep >= 3, (turned, deep)
+    assert random_trace(5) == random_trace(5, turns=False)  # (plain traces never take a turn)
+
+
+def test_a_campaign_draws_next_turns_in_a_share_of_its_traces():
+    """fuzz.generate.TURNS_SHARE of a campaign's traces take ``turns`` (a hash of seed and trace number)."""
+    from fuzz.campaign import CampaignConfig, campaign_envelope, trace_options
+    from fuzz.generate import TURNS_SHARE
+
+    cfg = CampaignConfig(seed=4)
+    env = campaign_envelope(cfg)
+    options = [trace_options(cfg, k, [], env, []) for k in range(400)]
+    drawn = sum(bool(o.get("turns")) for o in options)
+    assert abs(drawn - TURNS_SHARE * 400) <= 45, drawn
+    assert options == [trace_options(cfg, k, [], env, []) for k in range(400)]
