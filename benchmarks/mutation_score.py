@@ -614,6 +614,10 @@ CATALOGUE_MUTANTS = [
     Mutant("pad_context_off_by_one", "VLLM spec decode", "an admission with one token left is padded with dummy "
            "drafts although they reach max_model_len (hit + K + 1 <= max_model_len, not + 2)",
            _one_line(F, "draft_padding", "(hit_tokens + k + 2 <= max_model_len)", "(hit_tokens + k + 1 <= max_model_len)")),
+    Mutant("retraction_order_longer_first", "SGL retraction", "after a retraction the batch's ties on outputs go to "
+           "the longer prompt, not the shorter",
+           _one_line(Scheduler, "_retraction_order", "(int(self.num_output_tokens[s]), -int(self.prompt_len[s]))",
+                     "(int(self.num_output_tokens[s]), int(self.prompt_len[s]))")),
 ]
 
 MUTANTS = [
@@ -807,6 +811,7 @@ AT_FAULT: dict[str, tuple[str, ...]] = {
     "admission_budget_not_charged": ("BUDGET.TOKENS",),
     "admission_charged_padded": ("BUDGET.TOKENS",),
     "pad_context_off_by_one": ("SPEC.PAD_ADMISSION",),
+    "retraction_order_longer_first": ("RETRACT.BATCH_ORDER",),
 }
 
 

@@ -941,6 +941,15 @@ def _drafts_differ(spec: StepRecord, engine: StepRecord, request: str) -> bool:
     return spec.drafts.get(request, 0) != engine.drafts.get(request, 0)
 
 
+def _retraction_reordered(spec: StepRecord, engine: StepRecord, history: Iterable[StepRecord]) -> bool:
+    """Whether both sides batched the same requests with the same token counts in another order, and
+    the spec retracted a request at this step or before: SGLang's batch then runs in retraction
+    order (RETRACT.BATCH_ORDER), which the per-request RUN.* reasons do not say."""
+    if spec.scheduled == engine.scheduled or sorted(spec.scheduled) != sorted(engine.scheduled):
+        return False
+    return any(str(r.get("rule", "")).startswith("RETRACT.VICTIM") for rec in [*history, spec] for r in rec.reasons or ())
+
+
 def _preempted_since_sample(history: Iterable[StepRecord], request: str) -> bool:
     """Whether ``request`` was preempted after the last step in which it sampled (the spec's records)."""
     for rec in reversed(list(history)):
@@ -960,6 +969,8 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
       it): the drafts' rule — an admission's dummy drafts (``SPEC.PAD_ADMISSION``), discarded at a
       preemption since it last sampled (``SPEC.PREEMPT_DISCARDS``), else how drafts are scheduled
       (``SPEC.DRAFT_SCHEDULE``);
+    * ``scheduled``, the same requests and counts on both sides in another order, after the spec
+      retracted a request: the batch's retraction order (``RETRACT.BATCH_ORDER``);
     * ``scheduled``, the request on both sides with a different token count: its prefix hit when the
       two sides' hits differ (``CACHE.HIT``), else the token rule (``BUDGET.TOKENS``); a continuing
       request on one side only, where the other side's batch stops just before it: the token rule;
@@ -1004,6 +1015,8 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
         if request in spec.new or request in spec.resumed:  # (an admission's drafts are dummies: the padding's)
             return "SPEC.PAD_ADMISSION"
         return "SPEC.PREEMPT_DISCARDS" if _preempted_since_sample(history, request) else "SPEC.DRAFT_SCHEDULE"
+    if name == "scheduled" and _retraction_reordered(spec, engine, history):
+        return "RETRACT.BATCH_ORDER"
     if hit_differs(spec, engine, request):  # admitted on both sides, with another prefix hit: all else follows
         return "CACHE.HIT"
     if name in _BUDGETED and _earlier_hit_differs(spec, engine, request):  # (its blocks decided what came after)

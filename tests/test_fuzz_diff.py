@@ -407,3 +407,16 @@ def test_a_token_stop_against_a_length_stop_names_the_token_rule():
     assert first_divergence([spec_side], [engine], "decisions").rule == "STOP.EOS"
     spec_side.finished, engine.finished = [("A", "stop_token")], [("A", "max_tokens")]
     assert first_divergence([spec_side], [engine], "decisions").rule == "STOP.STOP_TOKEN"
+
+
+def test_a_batch_in_another_order_after_a_retraction_names_the_retraction_order():
+    """The same requests and counts in another order, the spec having retracted a request before:
+    SGLang's batch runs in retraction order (RETRACT.BATCH_ORDER); without a retraction, not that rule."""
+    retracted = StepRecord(step=1, scheduled=[("a", 1), ("b", 1)], preempted=["c"],
+                           reasons=[{"rule": "RETRACT.VICTIM_FEWEST_OUTPUTS", "text": "retracted", "request": "c"}])
+    spec_side = StepRecord(step=2, scheduled=[("b", 1), ("a", 1)])
+    engine = StepRecord(step=2, scheduled=[("a", 1), ("b", 1)])
+    d = first_divergence([retracted, spec_side], [copy.deepcopy(retracted), engine], "decisions")
+    assert (d.step, d.field, d.rule) == (2, "scheduled", "RETRACT.BATCH_ORDER")
+    plain = StepRecord(step=1, scheduled=[("a", 1), ("b", 1)])
+    assert first_divergence([plain, spec_side], [plain, engine], "decisions").rule != "RETRACT.BATCH_ORDER"
