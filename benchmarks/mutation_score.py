@@ -618,6 +618,9 @@ CATALOGUE_MUTANTS = [
            "the longer prompt, not the shorter",
            _one_line(Scheduler, "_retraction_order", "(int(self.num_output_tokens[s]), -int(self.prompt_len[s]))",
                      "(int(self.num_output_tokens[s]), int(self.prompt_len[s]))")),
+    Mutant("swap_in_after_preempt", "VLLM V0 swap", "swapped-out requests are swapped back in in a step that "
+           "preempted", _one_line(Scheduler, "schedule", "if self.num_swapped and not batch.preempted:",
+                                  "if self.num_swapped:"), "preempt x swapped"),
 ]
 
 MUTANTS = [
@@ -812,6 +815,7 @@ AT_FAULT: dict[str, tuple[str, ...]] = {
     "admission_charged_padded": ("BUDGET.TOKENS",),
     "pad_context_off_by_one": ("SPEC.PAD_ADMISSION",),
     "retraction_order_longer_first": ("RETRACT.BATCH_ORDER",),
+    "swap_in_after_preempt": ("ADMIT.NONE_AFTER_PREEMPT", "SWAP.IN"),
 }
 
 

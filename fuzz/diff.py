@@ -856,12 +856,33 @@ def configured_rule(rule: str | None, name: str, spec: StepRecord | None, engine
                     request: str | None, config: dict[str, Any]) -> str | None:
     """The rule a report names for field ``name``, once the trace's configuration is known (a
     record-level blame sees none): block ids after another radix-tree eviction
-    (:func:`leaf_eviction_blame`), the admission gate where the two walks of the waiting queue
+    (:func:`leaf_eviction_blame`), a request the engine admitted or resumed in a step the spec's
+    preemption held (:func:`held_after_preempt`), the admission gate where the two walks of the waiting queue
     stopped differently (:func:`stop_gate_blame`), an admission that ended exactly on the budget
     (:func:`budget_fit_blame`), else ``rule`` as the configuration spells it (:func:`as_configured`)."""
-    return leaf_eviction_blame(name, spec, engine, config) or stop_gate_blame(rule, name, spec, engine, config) or \
+    return leaf_eviction_blame(name, spec, engine, config) or held_after_preempt(name, spec, engine, request, config) or \
+        stop_gate_blame(rule, name, spec, engine, config) or \
         walk_skip_blame(rule, name, spec, engine, request, config) or \
         budget_fit_blame(rule, name, spec, engine, request, config) or as_configured(rule, config)
+
+
+def held_after_preempt(name: str, spec: StepRecord | None, engine: StepRecord | None, request: str | None,
+                       config: dict[str, Any]) -> str | None:
+    """``ADMIT.NONE_AFTER_PREEMPT`` where the engine admitted or resumed (a swap-in too) ``request`` in
+    a step in which the spec preempted and, holding admission after a preemption (the configuration's
+    ``admit_after_preempt`` off), took nobody in: whatever rule the spec's step applied to its
+    victims, the hold is what the engine broke.  None otherwise."""
+    if name not in _BUDGETED or spec is None or engine is None or not spec.preempted or spec.new or spec.resumed:
+        return None
+    if request not in list(engine.new) + list(engine.resumed) or request in dict(spec.scheduled):
+        return None
+    from spec.config import ConfigError, resolve
+
+    try:
+        held = not resolve(config).admit_after_preempt
+    except (ConfigError, TypeError, ValueError):
+        return None
+    return "ADMIT.NONE_AFTER_PREEMPT" if held else None
 
 
 def walk_skip_blame(rule: str | None, name: str, spec: StepRecord | None, engine: StepRecord | None,

@@ -380,6 +380,13 @@ INTERACTIONS: tuple[Interaction, ...] = (
                 _same_request(("ABORT.",), ("STATE.SWAPPED",)),
                 {**_PRESSURE, "preemption_mode": "swap", "async_scheduling": False, "num_cpu_blocks": 256},
                 {"preemption_mode": ("swap",)}, _abort_while(("STATE.SWAPPED",))),
+    Interaction("preempt x swapped",
+                "a preemption (or swap-out) in a step while another request waits swapped out: that step swaps "
+                "nobody back in, even where the victims' blocks would fit it (vLLM V0 swaps in only after a step "
+                "that preempted nothing)",
+                _same_step(PREEMPTING, ("STATE.SWAPPED",)),
+                {**_PRESSURE, "preemption_mode": "swap", "async_scheduling": False, "admission": "budget"},
+                {"preemption_mode": ("swap",)}),
     Interaction("chunked-prefill x prefix-hit",
                 "a request admitted with a prefix hit whose prefill is then cut into chunks: the chunks start "
                 "after the hit",

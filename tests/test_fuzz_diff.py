@@ -420,3 +420,17 @@ def test_a_batch_in_another_order_after_a_retraction_names_the_retraction_order(
     assert (d.step, d.field, d.rule) == (2, "scheduled", "RETRACT.BATCH_ORDER")
     plain = StepRecord(step=1, scheduled=[("a", 1), ("b", 1)])
     assert first_divergence([plain, spec_side], [plain, engine], "decisions").rule != "RETRACT.BATCH_ORDER"
+
+
+def test_a_request_taken_in_a_step_the_spec_held_after_a_preemption_names_the_hold():
+    """The spec preempted B and, holding admission after a preemption, took nobody in; the engine
+    swapped S back in in that step: the report names ADMIT.NONE_AFTER_PREEMPT whatever rule the
+    spec's victim took — unless the configuration admits after a preemption."""
+    from fuzz.diff import configured_rule
+
+    spec = StepRecord(step=5, scheduled=[("A", 1)], preempted=["B"])
+    engine = StepRecord(step=5, scheduled=[("A", 1), ("S", 1)], preempted=["B"], resumed=["S"], swapped_in=["S"])
+    config = {"profile": "vllm-v0-swap"}
+    assert configured_rule("PREEMPT.VICTIM_NEWEST", "scheduled", spec, engine, "S", config) == "ADMIT.NONE_AFTER_PREEMPT"
+    assert configured_rule("PREEMPT.VICTIM_NEWEST", "scheduled", spec, engine, "S",
+                           {**config, "admit_after_preempt": True}) != "ADMIT.NONE_AFTER_PREEMPT"

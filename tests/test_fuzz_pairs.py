@@ -157,7 +157,7 @@ def test_a_symptom_only_bug_is_reported_under_the_rule_at_fault():
 
 INTERACTION_MUTANTS = ["shared_prefix_freed_on_preempt", "victim_tokens_not_returned", "abort_preempted_left_queued",
                        "abort_swapped_leaks_cpu", "chunk_after_hit_off_by_one", "retraction_drops_prefix",
-                       "reinsertion_reversed", "stale_finish_still_waiting"]
+                       "reinsertion_reversed", "stale_finish_still_waiting", "swap_in_after_preempt"]
 
 
 def test_every_interaction_mutant_lives_in_a_curated_interaction():
