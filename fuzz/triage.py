@@ -601,7 +601,6 @@ def classify(result, engine: str) -> dict[str, Any]:
         explained.sort(key=lambda kv: ((engine, *kv) not in DOCUMENTED, kv[0] in result.trace.config, kv[0] not in own))
         knob, value = explained[0]
         doc = DOCUMENTED.get((engine, knob, value))
-    if explained:
         also = [f"{k}={v}" for k, v in explained if (k, v) != (knob, value)]
         why = (f"the spec agrees with the engine's log under {knob}={value}"
                + (f" (also: {', '.join(also[:4])})" if also else "")
