@@ -846,10 +846,12 @@ def _unpadded_past_context(spec: StepRecord, head: str, cfg: Any) -> bool:
     """Whether the spec admitted ``head`` with one token of its own and no dummy drafts because
     SPEC.PAD_ADMISSION's context test refused them (``hit + 1 + K + 1 > max_model_len``; the hit
     from the spec's ``cache_hits``, 0 where not logged)."""
+    from spec.specdec import padded_context
+
     k = cfg.num_speculative_tokens
     if not k or head not in spec.new or dict(spec.scheduled).get(head) != 1 or (spec.drafts or {}).get(head):
         return False
-    return (spec.cache_hits or {}).get(head, 0) + k + 2 > cfg.max_model_len
+    return padded_context((spec.cache_hits or {}).get(head, 0), k) > cfg.max_model_len
 
 
 def configured_rule(rule: str | None, name: str, spec: StepRecord | None, engine: StepRecord | None,

@@ -566,6 +566,7 @@ def pad_edge(trace: Trace, rng: random.Random) -> Trace:
     to repeat an earlier one's whole blocks plus one token (:func:`_hit_all_but_last`)."""
     from fuzz.pairs import spec_run
     from spec.config import ConfigError
+    from spec.specdec import padded_context
 
     config = resolve(trace.config)
     k = config.num_speculative_tokens
@@ -599,12 +600,13 @@ def pad_edge(trace: Trace, rng: random.Random) -> Trace:
             return None
         return moved
 
-    exact = edged(by_id[rid].prompt_len + k + 1)
+    fits = padded_context(by_id[rid].prompt_len - 1, k)  # (its hit: all but the last token)
+    exact = edged(fits)
     if exact is None or not any(r == rid and drafts for r, drafts in ones(spec_run(exact, decisions_only=True))):
         return trace  # (not padded even where the context allows it: the context does not decide)
     if not below:
         return exact
-    past = edged(by_id[rid].prompt_len + k)
+    past = edged(fits - 1)
     return past if past is not None and any(r == rid for r, _ in ones(spec_run(past, decisions_only=True))) else trace
 
 

@@ -124,9 +124,15 @@ def padded_admission(remaining: int, hit: int, k: int, running_prefill: bool, ru
     KV slots.  Returns the tokens to schedule, or None to stop admission."""
     if remaining != 1 or running_prefill or not (running_scheduled or hit > 0):
         return remaining
-    if hit + 1 + k + 1 > max_model_len:
+    if padded_context(hit, k) > max_model_len:
         return remaining
     return 1 + k if 1 + k <= budget else None
+
+
+def padded_context(hit: int, k: int) -> int:
+    """The context a padded admission needs (SPEC.PAD_ADMISSION): its hit, its one token, its K
+    dummy drafts and the token it samples — ``hit + 1 + K + 1``."""
+    return hit + 1 + k + 1
 
 
 def accept_rate_draw(request_id: str, verification: int, draft: int) -> float:
