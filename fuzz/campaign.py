@@ -1433,19 +1433,23 @@ def _valid(cfg: CampaignConfig, k: int, envelope, fixed: set[str], options: dict
     from fuzz.capabilities import draws_request_features, keyed_rng, repair, spec_decode_draw
 
     key = f"{cfg.seed}:{k}"
+
+    def switch(options: dict[str, Any], name: str, share: float, applies: bool = True) -> dict[str, Any]:
+        """``options`` with generator switch ``name`` on for ``share`` of the traces (a hash of ``key``
+        and the name: any worker count draws the same), unless given already or not applicable."""
+        if name in options or not applies or keyed_rng(key, name).random() >= share:
+            return options
+        return {**options, name: True}
+
     if "request_features" not in options and draws_request_features(envelope, key):
         options = {**options, "request_features": True}  # a share of the traces, against an engine that has them
-    if "edges" not in options and keyed_rng(key, "edges").random() < EDGE_SHARE:
-        options = {**options, "edges": True}  # a prompt at an arrival rule's boundary (fuzz.generate._edge_prompts)
-    if "turns" not in options and keyed_rng(key, "turns").random() < TURNS_SHARE:
-        options = {**options, "turns": True}  # a request continues another's conversation (fuzz.generate.next_turn)
-    if "budget_edge" not in options and "interaction" not in options \
-            and keyed_rng(key, "budget_edge").random() < BUDGET_EDGE_SHARE:
-        options = {**options, "budget_edge": True}  # a prompt filling a step's budget (fuzz.generate.budget_edge)
+    options = switch(options, "edges", EDGE_SHARE)  # a prompt at an arrival rule's boundary (fuzz.generate._edge_prompts)
+    options = switch(options, "turns", TURNS_SHARE)  # a request continues another's conversation (fuzz.generate.next_turn)
+    shaped = "interaction" in options
+    options = switch(options, "budget_edge", BUDGET_EDGE_SHARE, not shaped)  # a prompt filling a step's budget
     options = spec_decode_draw(envelope, key, options, fixed)
-    if options.get("num_speculative_tokens") and "pad_edge" not in options and "interaction" not in options \
-            and keyed_rng(key, "pad_edge").random() < PAD_EDGE_SHARE:
-        options = {**options, "pad_edge": True}  # a context where a padded admission flips (fuzz.generate.pad_edge)
+    # a context where a padded admission flips (fuzz.generate.pad_edge)
+    options = switch(options, "pad_edge", PAD_EDGE_SHARE, bool(options.get("num_speculative_tokens")) and not shaped)
     options = _self_preempt_draw(envelope, key, options, fixed)
     return repair(options, fixed, envelope, key=key)
 
