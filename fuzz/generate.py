@@ -272,7 +272,9 @@ def next_turn(trace: Trace, rng: random.Random) -> Trace:
     from fuzz.pairs import spec_run
 
     config = resolve(trace.config)
-    done: dict[str, tuple[int, int]] = {}  # request -> (step it finished, tokens it sampled)
+    # request -> (step it finished, steps it sampled in): its response's length, or under speculative
+    # decoding (several tokens a step) the length of a prefix of it, which a next turn may quote as well
+    done: dict[str, tuple[int, int]] = {}
     sampled: dict[str, int] = {}
     for rec in spec_run(trace, decisions_only=True):
         for rid in rec.sampled:
