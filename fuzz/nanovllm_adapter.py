@@ -49,6 +49,7 @@ import random
 import sys
 import types
 from dataclasses import fields
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -160,12 +161,13 @@ class NanoVllmEngine:
         self.ever_preempted: set[str] = set()
         self._preempted: list[str] = []
         self._evicted: list[int] = []
+        self._registered: dict[str, list[int]] = {}  # request -> block ordinals hash_blocks cached in this step
         self._observe()
 
     def _observe(self) -> None:
         """Record preemptions and evictions as nano-vllm makes them (instance attributes only)."""
         scheduler, bm = self.scheduler, self.bm
-        preempt, allocate_block = scheduler.preempt, bm._allocate_block
+        preempt, allocate_block, hash_blocks = scheduler.preempt, bm._allocate_block, bm.hash_blocks
 
         def on_preempt(seq):
             self._preempted.append(self.ids[seq.seq_id])
@@ -177,8 +179,16 @@ class NanoVllmEngine:
                 self._evicted.append(block.block_id)
             return allocate_block()
 
+        def on_hash_blocks(seq):
+            start = seq.num_cached_tokens // bm.block_size  # (hash_blocks' own range)
+            end = (seq.num_cached_tokens + seq.num_scheduled_tokens) // bm.block_size
+            if end > start:
+                self._registered.setdefault(self.ids[seq.seq_id], []).extend(range(start, end))
+            return hash_blocks(seq)
+
         scheduler.preempt = on_preempt
         bm._allocate_block = on_allocate_block
+        bm.hash_blocks = on_hash_blocks
 
     # -- protocol --------------------------------------------------------
 
@@ -207,6 +217,8 @@ class NanoVllmEngine:
         new = [self.ids[s.seq_id] for s in admitted if self.ids[s.seq_id] not in self.ever_preempted]
         resumed = [self.ids[s.seq_id] for s in admitted if self.ids[s.seq_id] in self.ever_preempted]
         hits = {self.ids[s.seq_id]: s.num_cached_tokens for s in admitted}
+        hit_blocks = {self.ids[s.seq_id]: s.block_table[:s.num_cached_tokens // self.config.block_size]
+                      for s in admitted if s.num_cached_tokens}  # (read now: postprocess may free them)
         sampled: dict[str, int] = {}
         tokens = []
         for s in seqs:
@@ -226,8 +238,26 @@ class NanoVllmEngine:
             blocks={rid: len(t) for rid, t in tables.items()}, cache_hits=hits, num_evicted=len(self._evicted),
             block_ids=tables, evicted=self._evicted,
         )
-        self._preempted, self._evicted = [], []
+        self._state(record, hit_blocks)
+        self._preempted, self._evicted, self._registered = [], [], {}
         return record
+
+    def _state(self, record: StepRecord, hit_blocks: dict[str, list[int]]) -> None:
+        """The optional state fields, read from nano-vllm's objects at the end of the step: its
+        waiting queue, each running sequence's ``num_cached_tokens`` (its computed tokens; 0 for a
+        preempted one, which ``deallocate`` resets), the block ordinals each ``hash_blocks`` call
+        of the step hashed into ``hash_to_block_id``, the admitted sequences' hit blocks, each held
+        block's ``ref_count`` and the block id of every ``hash_to_block_id`` entry."""
+        sched, bm = self.scheduler, self.bm
+        # a sequence whose prefill was cut stays at the head of nano-vllm's waiting queue holding its
+        # blocks: running in the protocol's terms (admitted, as step() reads it), as in the spec
+        record.waiting = sorted(self.ids[s.seq_id] for s in sched.waiting if not s.block_table)
+        record.computed = {self.ids[s.seq_id]: s.num_cached_tokens for s in chain(sched.running, sched.waiting)
+                           if s.block_table or self.ids[s.seq_id] in self.ever_preempted}
+        record.cache_registered = {rid: list(m) for rid, m in self._registered.items()}
+        record.hit_blocks = hit_blocks
+        record.ref_counts = {str(b): bm.blocks[b].ref_count for s in self.seqs for b in s.block_table}
+        record.cached_blocks = sorted(bm.hash_to_block_id.values())
 
     def _finish_reason(self, seq) -> str:
         """nano-vllm stops on EOS first, then on max_tokens (postprocess)."""

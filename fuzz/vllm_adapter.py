@@ -346,6 +346,7 @@ class VllmEngine:
         self._preempted: list[str] = []
         self._freed: list[Any] = []  # requests freed inside update_from_output, in order
         self._evicted: list[int] = []
+        self._registered: dict[str, list[int]] = {}  # request -> block ordinals vLLM cached in this step
         self._applied: dict[str, int] = {}  # tokens update_from_output appended, in order
         self._in_update = False
         self._in_flight = None  # async: the batch in flight (SchedulerOutput and what its requests sample)
@@ -359,6 +360,7 @@ class VllmEngine:
         """Record preemption order, finish order and evictions as vLLM makes them."""
         scheduler, pool = self.scheduler, self.pool
         preempt, free_request, maybe_evict = scheduler._preempt_request, scheduler._free_request, pool._maybe_evict_cached_block
+        cache_full_blocks = pool.cache_full_blocks
         update_request = scheduler._update_request_with_output
 
         def on_update(request, new_token_ids, *args, **kwargs):
@@ -380,7 +382,16 @@ class VllmEngine:
                 self._evicted.append(block.block_id)
             return evicted
 
+        def on_cache(request, blocks, num_cached_blocks, num_full_blocks, *args, block_mask=None, **kwargs):
+            ordinals = [m for i, m in enumerate(range(num_cached_blocks, num_full_blocks))
+                        if not blocks[m].is_null and (block_mask is None or block_mask[i])]  # (what it skips)
+            if ordinals:
+                self._registered.setdefault(request.request_id, []).extend(ordinals)
+            return cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, *args,
+                                     block_mask=block_mask, **kwargs)
+
         scheduler._preempt_request = on_preempt
+        pool.cache_full_blocks = on_cache
         scheduler._update_request_with_output = on_update
         scheduler._free_request = on_free
         pool._maybe_evict_cached_block = on_evict
@@ -443,6 +454,8 @@ class VllmEngine:
         new = [rid for rid, _ in scheduled if before.get(rid) == self._status.WAITING]
         resumed = [rid for rid, _ in scheduled if before.get(rid) == self._status.PREEMPTED]
         hits = {rid: self.scheduler.requests[rid].num_computed_tokens - n for rid, n in scheduled if rid in new or rid in resumed}
+        hit_blocks = {rid: list(self.kv.get_block_ids(rid)[0][:hit // self.config.block_size])
+                      for rid, hit in hits.items() if hit}  # (read now: a request may finish in this step's update)
         drafts = {rid: len(out.scheduled_spec_decode_tokens[rid]) for rid, _ in scheduled
                   if out.scheduled_spec_decode_tokens.get(rid)}
         batch = (out, self._sample(scheduled, drafts, set(new) | set(resumed)))
@@ -473,7 +486,10 @@ class VllmEngine:
             self._last_record = record
         self._memory(record)
         state_fields(self.scheduler, record, self.config.async_scheduling)
+        if self.config.enable_prefix_caching:
+            cache_fields(self.scheduler, record, self._registered, hit_blocks)
         self._rejected, self._aborted, self._preempted, self._freed, self._evicted = [], [], [], [], []
+        self._registered = {}
         return record
 
     def _sample(self, scheduled: list[tuple[str, int]], drafts: dict[str, int], admitted: set[str]) -> dict[str, int]:
@@ -561,6 +577,21 @@ def state_fields(scheduler, record: StepRecord, asynchronous: bool) -> None:
     if asynchronous:
         record.placeholders = {r.request_id: r.num_output_placeholders for r in list(scheduler.running) + queued
                                if r.num_output_placeholders}
+
+
+def cache_fields(scheduler, record: StepRecord, registered: dict[str, list[int]], hit_blocks: dict[str, list[int]]) -> None:
+    """The prefix cache's optional state fields, read from vLLM's objects: the block ordinals each
+    request's ``cache_full_blocks`` calls put in the cache during the step (``cache_registered``),
+    the prefix-hit block ids of each request admitted with a hit (``hit_blocks``), and at the end of
+    the step the reference count of every block a request holds (``ref_counts``) and the block id
+    of every entry of the hash map (``cached_blocks``)."""
+    kv = scheduler.kv_cache_manager
+    record.cache_registered = {rid: list(m) for rid, m in registered.items()}
+    record.hit_blocks = hit_blocks
+    (manager,) = kv.coordinator.single_type_managers  # (one KV cache group: the modelled subset)
+    record.ref_counts = {str(b.block_id): b.ref_cnt for blocks in manager.req_to_blocks.values() for b in blocks}
+    entries = kv.block_pool.cached_block_hash_to_block._cache.values()
+    record.cached_blocks = sorted(b.block_id for e in entries for b in (e.values() if isinstance(e, dict) else (e,)))
 
 
 def finish_reason(request, max_model_len: int) -> str:

@@ -2,7 +2,9 @@
 item 5): the recorded corpus (``tests/corpus/nano-vllm/``, see tests/test_nanovllm_corpus.py)
 run through gpu_engine, each record compared with nano-vllm's at the exact level (batch,
 tokens, admissions and hits, preemptions, finishes, free-block counts, block tables,
-evictions).  gpu_engine implements the ``nano-vllm`` profile's knobs on its own, so this
+evictions), and the state fields nano-vllm's objects hold (its waiting queue, computed
+tokens, the blocks ``hash_blocks`` caches, hit blocks, reference counts, the hash map's
+blocks).  gpu_engine implements the ``nano-vllm`` profile's knobs on its own, so this
 checks it against the real engine directly, not only through the spec.
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ from test_nanovllm_corpus import CORPUS, FINDINGS, entries
 
 
 def gpu_records(trace, use_numpy=None):
-    engine = GpuEngine.from_trace(trace, use_numpy=use_numpy)
+    engine = GpuEngine.from_trace(trace, use_numpy=use_numpy, log_state=True)
     return drive(engine, trace, resolve(trace.config).max_steps)
 
 

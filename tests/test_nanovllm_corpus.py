@@ -77,6 +77,30 @@ def test_corpus_replays_against_the_nano_vllm_profile_with_every_field_equal():
     assert not disagree, f"{len(disagree)} traces diverge; first:\n{disagree[0]}"
 
 
+def test_the_recorded_logs_hold_nano_vllms_own_cache_state():
+    """The recorded logs carry the state nano-vllm's objects hold (read by the adapter from its
+    BlockManager): the ordinals each ``hash_blocks`` call cached, the hit blocks, every held
+    block's ``ref_count`` and the ``hash_to_block_id`` entries.  The replay above compares them
+    with the spec's, and would see one wrong entry."""
+    import dataclasses
+
+    corpus = entries("corpus.jsonl")
+    logged = Counter()
+    for _, records, _ in corpus:
+        logged["registered"] += sum(len(m) for r in records for m in r.cache_registered.values())
+        logged["hit blocks"] += sum(len(b) for r in records for b in r.hit_blocks.values())
+        logged["shared blocks"] += sum(n > 1 for r in records for n in r.ref_counts.values())
+        logged["cache entries"] += sum(len(r.cached_blocks) for r in records)
+        logged["computed"] += sum(len(r.computed) for r in records)
+    assert min(logged.values()) > 100, logged
+    trace, records, _ = next(c for c in corpus if any(len(r.cached_blocks) > 1 for r in c[1]))
+    k = next(k for k, r in enumerate(records) if len(r.cached_blocks) > 1)
+    wrong = list(records)
+    wrong[k] = dataclasses.replace(records[k], cached_blocks=records[k].cached_blocks[1:])
+    result = replay_records(trace, wrong, "exact", engine="nano-vllm")
+    assert not result.agreed and (result.divergence.step, result.divergence.field) == (records[k].step, "cached_blocks")
+
+
 @pytest.mark.parametrize("knobs", [
     {"free_block_order": "cached-last"}, {"cache_register": "allocation"}, {"cache_duplicates": "first"},
     {"kv_reservation": "step", "scheduler_reserve_full_isl": True}, {"max_num_seqs_scope": "running"},

@@ -162,3 +162,28 @@ def test_the_adapter_logs_vllms_own_queue_computed_tokens_and_placeholders(vllm_
         queued += sum(bool(r.waiting) for r in result.engine_records)
         in_flight += sum(bool(r.placeholders) for r in result.engine_records if seed % 2)
     assert queued > 20 and in_flight > 50, (queued, in_flight)
+
+
+def test_the_adapter_logs_vllms_own_prefix_cache_state(vllm_ready):
+    """The prefix cache's state fields come from vLLM's objects (the ordinals its
+    ``cache_full_blocks`` calls cache, each admitted request's hit blocks, every held block's
+    ``ref_cnt``, the hash map's blocks), so every conformance run with prefix caching compares the
+    spec's registrations, hits, sharing and cache contents with vLLM's own: not vacuously."""
+    from fuzz.generate import random_trace
+    from fuzz.replay import replay
+    from spec.config import resolve
+
+    registered = hits = shared = cached = 0
+    for seed in range(12):
+        trace = random_trace(seed, tight_memory=bool(seed % 2))
+        result = replay(trace, "vllm", "exact")
+        assert result.agreed, result.describe()
+        records = result.engine_records
+        if not resolve(trace.config).enable_prefix_caching:
+            assert all(r.cached_blocks is None for r in records)
+            continue
+        registered += sum(len(m) for r in records for m in r.cache_registered.values())
+        hits += sum(len(b) for r in records for b in r.hit_blocks.values())
+        shared += sum(n > 1 for r in records for n in r.ref_counts.values())
+        cached += sum(bool(r.cached_blocks) for r in records)
+    assert registered > 100 and hits > 4 and shared > 10 and cached > 50, (registered, hits, shared, cached)
