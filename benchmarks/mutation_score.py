@@ -621,6 +621,15 @@ CATALOGUE_MUTANTS = [
     Mutant("swap_in_after_preempt", "VLLM V0 swap", "swapped-out requests are swapped back in in a step that "
            "preempted", _one_line(Scheduler, "schedule", "if self.num_swapped and not batch.preempted:",
                                   "if self.num_swapped:"), "preempt x swapped"),
+    Mutant("vtc_lift_lowers", "VTC", "a tenant arriving to an empty queue is set to the least backlogged counter "
+           "even when its own is higher (the lift lowers it)",
+           _one_line(TenantCounters, "arrive", "self.counter[t] = max(self.counter[t], self.counter[:n][others].min())",
+                     "self.counter[t] = self.counter[:n][others].min()")),
+    Mutant("stop_ids_kept_on_reuse", "VLLM-11", "a slot's stop token ids are not cleared when a new request reuses it",
+           _one_line(Scheduler, "add", "self.stop_ids[s, :] = -1", "pass")),
+    Mutant("full_sequence_ignores_evictable_hits", "VLLM-17", "the whole-sequence admission test leaves out the "
+           "evictable cached blocks a prefix hit takes from the free queue",
+           _one_line(F, "admission_walk", "+ e + wm <= seen_free", "+ wm <= seen_free")),
 ]
 
 MUTANTS = [
@@ -816,6 +825,9 @@ AT_FAULT: dict[str, tuple[str, ...]] = {
     "pad_context_off_by_one": ("SPEC.PAD_ADMISSION",),
     "retraction_order_longer_first": ("RETRACT.BATCH_ORDER",),
     "swap_in_after_preempt": ("ADMIT.NONE_AFTER_PREEMPT", "SWAP.IN"),
+    "vtc_lift_lowers": ("VTC.LIFT",),
+    "stop_ids_kept_on_reuse": ("STOP.STOP_TOKEN",),
+    "full_sequence_ignores_evictable_hits": ("ADMIT.FULL_SEQUENCE",),
 }
 
 

@@ -307,14 +307,14 @@ def group_signature(result: ReplayResult) -> Signature:
     spec's value (:func:`fuzz.diff.memory_rule`: a preemption's release, an abort, a prefix hit, an
     allocation), not the rule for what the request involved did in that step (``ADMIT.NEW``,
     ``RUN.PREFILL_CHUNK``), which is as incidental to a block-accounting bug as its id."""
-    from fuzz.diff import (DECISION, _involved, _value, as_configured, budget_giveback_rule, configured_rule,
-                           decision_cause, field_rule, ghost, hit_differs, spec_reason)
+    from fuzz.diff import (DECISION, PRE_DECISION_FIELDS, _involved, _token_stop_between, _value, as_configured, budget_giveback_rule,
+                           configured_rule, decision_cause, field_rule, ghost, hit_differs, spec_reason)
     from fuzz.shrink import signature
     from spec.formats import StepRecord, fields_at
 
     div = result.divergence
     assert div is not None
-    if div.kind != DECISION:
+    if div.kind != DECISION or div.field in PRE_DECISION_FIELDS:  # (state fixed before the step's decisions)
         return signature(div)
     spec = next((r for r in result.spec_records if r.step == div.step), None)
     eng = next((r for r in result.engine_records if r.step == div.step), None)
@@ -337,7 +337,8 @@ def group_signature(result: ReplayResult) -> Signature:
         if hit_differs(spec, eng, request):  # admitted on both sides with another prefix hit: the hit decided it
             return (div.kind, name, "CACHE.HIT")
         if name == "finished":  # the stop rule of whichever side finished it: the same bug either way round
-            return (div.kind, name, _cause_rule(spec, request, name) or _stop_rule(eng, request) or "-")
+            between = _token_stop_between(spec, eng, request) if spec and eng else None  # (both did, a token's and a length)
+            return (div.kind, name, between or _cause_rule(spec, request, name) or _stop_rule(eng, request) or "-")
         if name in _CAUSE_FAMILIES:  # only a rule that decides this field names it (else "-", not an unrelated one)
             own = as_configured(field_rule(name, spec, eng, request), config) if spec and eng else None
             rule = _cause_rule(spec, request, name) or own or _victim_count_rule(name, spec, eng)

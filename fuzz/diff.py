@@ -209,14 +209,23 @@ def _close(a: Any, b: Any) -> bool:
     return a == b
 
 
+#: State fields whose value the step fixes before it decides anything: the per-request token cap
+#: (from the queue lengths the step began with) and the VTC lifts of the tenants whose requests
+#: arrived (arrivals come before the schedule).  One that differs is the cause of whatever the step
+#: then decides differently, so it is compared first (the rest describe the state after the step).
+PRE_DECISION_FIELDS = ("token_cap", "vtc_lifts")
+
+
 def _state_divergence(step: int, s: StepRecord | None, e: StepRecord | None, level: str, engine: str,
-                      history: Callable[[], list[StepRecord]] = list) -> Divergence | None:
-    """The first state field both records carry and that differs, or None.  ``history()``: the
-    spec's records before this step (who held a block, who the spec had ended), made only when
-    a field differs."""
+                      history: Callable[[], list[StepRecord]] = list, only: tuple[str, ...] | None = None) -> Divergence | None:
+    """The first state field both records carry and that differs (of ``only``, when given), or None.
+    ``history()``: the spec's records before this step (who held a block, who the spec had ended),
+    made only when a field differs."""
     if s is None or e is None:
         return None  # an idle step on one side: its state was not written
     for name in state_fields_at(level):
+        if only is not None and name not in only:
+            continue
         a, b = getattr(s, name), getattr(e, name)
         if name == "waiting" and a is not None and b is not None:  # (a set: an engine may log it in queue order)
             a, b = sorted(a, key=str), sorted(b, key=str)
@@ -1101,7 +1110,18 @@ def _deferral_decided(spec: StepRecord, engine: StepRecord, request: str, histor
         deferred |= _deferrals(rec)
         deferred -= set(rec.new) | set(rec.resumed)
     taken = [y for x, y in zip(a, b) if x != y] + b[len(a):]
+    if taken and not a and taken[0] not in now and _refused_now(spec, taken[0]):
+        return False  # (deferred before, but the spec admitted nobody ahead of it here and a gate refused it)
     return bool(taken) and taken[0] in deferred | now
+
+
+def _refused_now(record: StepRecord, request: str) -> bool:
+    """Whether the record gives ``request`` a reason of its own other than its arrival, its queue
+    place or its SLO bookkeeping: the step's admission walk tested it (a block, budget or
+    whole-sequence gate refused it).  Only a step that admitted nobody says the gate, not the
+    deferral, decided: after another admission a refusal may be the order's doing."""
+    return any(r.get("request") == request and not str(r.get("rule", "")).startswith(("SLO.", "ARRIVE.", "QUEUE.", "EDF."))
+               for r in record.reasons or ())
 
 
 def _deferrals(record: StepRecord) -> set[str]:
@@ -1341,6 +1361,18 @@ def _wrong_token(spec: StepRecord | None, engine: StepRecord | None, name: str) 
     return None
 
 
+def _pre_decision_divergence(step: int, s: StepRecord | None, e: StepRecord | None, level: str, engine: str,
+                             history: list[StepRecord]) -> Divergence | None:
+    """A :data:`PRE_DECISION_FIELDS` state field that differs at this step, unless what comes before
+    it in the step differs too: the arrivals' rejections, the aborts, or a request the engine still
+    counts after the spec ended it (each moves the queue lengths the cap is computed from)."""
+    if s is None or e is None or s.rejected != e.rejected or sorted(s.aborted) != sorted(e.aborted):
+        return None
+    if ghost(s, e, history) is not None:
+        return None
+    return _state_divergence(step, s, e, level, engine, lambda: history, PRE_DECISION_FIELDS)
+
+
 def first_divergence(spec_records: Iterable[StepRecord], engine_records: Iterable[StepRecord],
                      level: str = "exact", engine: str = "engine", history: Iterable[StepRecord] = (),
                      tokens: bool = False) -> Divergence | None:
@@ -1367,6 +1399,9 @@ def first_divergence(spec_records: Iterable[StepRecord], engine_records: Iterabl
         wrong = _wrong_token(s, e, engine) if tokens and "sampled" in names else None
         if wrong is not None:  # a token the script did not give: the cause of whatever else differs
             return wrong
+        early = _pre_decision_divergence(step, s, e, level, engine, before + [by_spec[k] for k in sorted(by_spec) if k < step])
+        if early is not None:  # state the step fixed before deciding: the cause of what it then decided
+            return early
         for name in names:
             a, b = _value(s_rec, name, s is None), _value(e_rec, name, e is None)
             if a is None or b is None or a == b:
