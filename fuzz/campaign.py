@@ -1451,7 +1451,38 @@ def _valid(cfg: CampaignConfig, k: int, envelope, fixed: set[str], options: dict
     # a context where a padded admission flips (fuzz.generate.pad_edge)
     options = switch(options, "pad_edge", PAD_EDGE_SHARE, bool(options.get("num_speculative_tokens")) and not shaped)
     options = _self_preempt_draw(envelope, key, options, fixed)
+    options = _reserved_cache_draw(envelope, key, options, fixed)
     return repair(options, fixed, envelope, key=key)
+
+
+#: The share of the whole-life-reservation traces drawn with prefix caching, and of the default family's
+#: other traces drawn with both (:func:`_reserved_cache_draw`).
+RESERVED_CACHE_SHARE, RESERVE_AND_CACHE_SHARE = 0.5, 0.08
+
+
+def _reserved_cache_draw(envelope, key: str, options: dict[str, Any], fixed: set[str]) -> dict[str, Any]:
+    """Prefix caching with shared prompt prefixes under a whole-life KV reservation (``kv_reservation=full``):
+    for :data:`RESERVED_CACHE_SHARE` of the default family's traces that reserve so and leave caching
+    free, and for :data:`RESERVE_AND_CACHE_SHARE` of those that leave both free.  TGI v3 and
+    TensorRT-LLM reserve so and cache prefixes; the admission test must then count what a hit gives
+    and the cached free blocks it takes against the reservation.  No profile combines the two (Orca,
+    TGI, static batching and VTC turn caching off, and a rotated profile's knobs are left alone), so
+    without this draw the campaign almost never does (8 of ~2,350 traces of a 60 s campaign).
+    Chosen by a hash of ``key``: any worker count draws the same traces."""
+    from fuzz.capabilities import keyed_rng
+
+    cache, reserve = "enable_prefix_caching", "kv_reservation"
+    if "profile" in options or cache in fixed or cache in options or not envelope.allows(cache, True):
+        return options
+    if options.get(reserve) == "full":
+        share, extra = RESERVED_CACHE_SHARE, {}
+    elif reserve not in options and reserve not in fixed and envelope.allows(reserve, "full"):
+        share, extra = RESERVE_AND_CACHE_SHARE, {reserve: "full"}
+    else:
+        return options
+    if keyed_rng(key, "reserved_cache").random() >= share:
+        return options
+    return {**options, **extra, cache: True, "prefix_groups": True}
 
 
 def _self_preempt_draw(envelope, key: str, options: dict[str, Any], fixed: set[str]) -> dict[str, Any]:

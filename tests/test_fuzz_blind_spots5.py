@@ -78,3 +78,28 @@ def test_a_cap_that_differs_after_an_abort_names_the_abort_not_the_cap():
     eng_same = [StepRecord(3, scheduled=[("A", 4)], aborted=["B"], token_cap=4)]
     div = first_divergence(spec, eng_same, "decisions")
     assert (div.field, div.rule) == ("token_cap", "BUDGET.LONG_PREFILL")
+
+
+def test_a_whole_life_reservation_is_drawn_with_prefix_caching_where_no_profile_combines_them():
+    """The default family's traces that reserve KV for a request's whole life take prefix caching (and
+    shared prefixes) in about half the cases, and about one in twelve of those free to choose take both;
+    by a hash of the trace's key; never a rotated profile's, a fixed knob, or another reservation, nor
+    where the engine's envelope has no whole-life reservation (vLLM)."""
+    from fuzz.campaign import _reserved_cache_draw
+    from fuzz.capabilities import for_engine
+
+    gpu = for_engine("gpu")
+    full = [_reserved_cache_draw(gpu, f"0:{k}", {"kv_reservation": "full"}, set()) for k in range(400)]
+    cached = [o for o in full if o.get("enable_prefix_caching")]
+    assert 120 < len(cached) < 280 and all(o["prefix_groups"] for o in cached)
+    free = [_reserved_cache_draw(gpu, f"0:{k}", {}, set()) for k in range(1200)]
+    both = [o for o in free if o]
+    assert 50 < len(both) < 150
+    assert all(o == {"kv_reservation": "full", "enable_prefix_caching": True, "prefix_groups": True} for o in both)
+    assert free == [_reserved_cache_draw(gpu, f"0:{k}", {}, set()) for k in range(1200)]
+    for options, fixed in (({"profile": "tgi"}, set()), ({"kv_reservation": "step"}, set()),
+                           ({"kv_reservation": "full"}, {"enable_prefix_caching"}),
+                           ({"kv_reservation": "full", "enable_prefix_caching": False}, set())):
+        assert all(_reserved_cache_draw(gpu, f"0:{k}", options, fixed) == options for k in range(200)), options
+    vllm = for_engine("vllm")
+    assert not any(_reserved_cache_draw(vllm, f"0:{k}", {}, set()) for k in range(400))
