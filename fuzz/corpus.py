@@ -307,8 +307,9 @@ def group_signature(result: ReplayResult) -> Signature:
     spec's value (:func:`fuzz.diff.memory_rule`: a preemption's release, an abort, a prefix hit, an
     allocation), not the rule for what the request involved did in that step (``ADMIT.NEW``,
     ``RUN.PREFILL_CHUNK``), which is as incidental to a block-accounting bug as its id."""
-    from fuzz.diff import (DECISION, PRE_DECISION_FIELDS, _involved, _token_stop_between, _value, as_configured, budget_giveback_rule,
-                           configured_rule, decision_cause, field_rule, ghost, hit_differs, spec_reason)
+    from fuzz.diff import (DECISION, PRE_DECISION_FIELDS, _involved, _token_stop_between, _value, as_configured,
+                           budget_giveback_rule, configured_rule, decision_cause, field_rule, ghost, hit_differs,
+                           spec_reason)
     from fuzz.shrink import signature
     from spec.formats import StepRecord, fields_at
 

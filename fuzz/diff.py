@@ -1111,15 +1111,15 @@ def _deferral_decided(spec: StepRecord, engine: StepRecord, request: str, histor
         deferred -= set(rec.new) | set(rec.resumed)
     taken = [y for x, y in zip(a, b) if x != y] + b[len(a):]
     if taken and not a and taken[0] not in now and _refused_now(spec, taken[0]):
-        return False  # (deferred before, but the spec admitted nobody ahead of it here and a gate refused it)
+        return False  # (deferred before, but a gate refused it in a step admitting nobody: after another
+        # admission the refusal could be the deferred order's doing)
     return bool(taken) and taken[0] in deferred | now
 
 
 def _refused_now(record: StepRecord, request: str) -> bool:
     """Whether the record gives ``request`` a reason of its own other than its arrival, its queue
     place or its SLO bookkeeping: the step's admission walk tested it (a block, budget or
-    whole-sequence gate refused it).  Only a step that admitted nobody says the gate, not the
-    deferral, decided: after another admission a refusal may be the order's doing."""
+    whole-sequence gate refused it)."""
     return any(r.get("request") == request and not str(r.get("rule", "")).startswith(("SLO.", "ARRIVE.", "QUEUE.", "EDF."))
                for r in record.reasons or ())
 
