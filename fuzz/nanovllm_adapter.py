@@ -256,7 +256,7 @@ class NanoVllmEngine:
                            if s.block_table or self.ids[s.seq_id] in self.ever_preempted}
         record.cache_registered = {rid: list(m) for rid, m in self._registered.items()}
         record.hit_blocks = hit_blocks
-        record.ref_counts = {str(b): bm.blocks[b].ref_count for s in self.seqs for b in s.block_table}
+        record.ref_counts = {str(b): bm.blocks[b].ref_count for table in record.block_ids.values() for b in table}
         record.cached_blocks = sorted(bm.hash_to_block_id.values())
 
     def _finish_reason(self, seq) -> str:
