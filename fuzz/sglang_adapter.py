@@ -204,6 +204,7 @@ def sglang_modules() -> dict[str, Any]:
                 Req,
                 ScheduleBatch,
             )
+            from sglang.srt.managers.schedule_policy import PrefillAdder
             from sglang.srt.managers.scheduler import Scheduler
             from sglang.srt.managers.scheduler_components.batch_result_processor import SchedulerBatchResultProcessor
             from sglang.srt.managers.utils import GenerationBatchResult, validate_input_length
@@ -226,6 +227,7 @@ def sglang_modules() -> dict[str, Any]:
     _SGL.update(
         torch=torch, DisaggregationMode=DisaggregationMode, FINISH_ABORT=FINISH_ABORT, FINISH_LENGTH=FINISH_LENGTH,
         FINISH_MATCHED_TOKEN=FINISH_MATCHED_TOKEN, Req=Req, ScheduleBatch=ScheduleBatch, Scheduler=Scheduler,
+        PrefillAdder=PrefillAdder,
         SchedulerBatchResultProcessor=SchedulerBatchResultProcessor, GenerationBatchResult=GenerationBatchResult,
         validate_input_length=validate_input_length, TokenToKVPoolAllocator=TokenToKVPoolAllocator,
         CacheInitParams=CacheInitParams, ReqToTokenPool=ReqToTokenPool, TreeCacheBuildContext=TreeCacheBuildContext,
@@ -351,6 +353,7 @@ class SglangEngine:
         self._ever_retracted: set[str] = set()
         self._client_aborted: set[str] = set()
         self._admitted: set[str] = set()
+        self._estimate: dict[str, float] | None = None  # this step's admission round, as SGLang's PrefillAdder began it
         self._build()
 
     # -- construction ------------------------------------------------------
@@ -452,6 +455,8 @@ class SglangEngine:
         sched.prefill_decode_interval_min_bs = schedule.prefill_decode_interval_min_bs
         sched.metrics_reporter = _Inert(enable_metrics=False)
         sched.init_schedule_policy()
+        adder = self._recording_adder()
+        sched.get_prefill_adder_class = lambda: adder
         sched.tp_worker = _Fixed("tp_worker", model_runner=_Fixed("model_runner", attn_backend=object(),
                                                                    prefill_aware_swa=False))
         sched.dp_attn_adapter, sched.ngram_embedding_manager = _DpAttention(), _NoNgramEmbedding()
@@ -469,6 +474,36 @@ class SglangEngine:
             abort_request=sched.abort_request,
         )
         return sched
+
+    def _recording_adder(self) -> type:
+        """SGLang's ``PrefillAdder``, noting the terms of its ``rem_total_tokens`` as the admission
+        round begins (state field ``estimate_parts``): ``free`` (available + evictable slots, read
+        by its memory budget), ``running`` (its offset for the running batch, ratio applied),
+        ``outputs`` (the same offsets with the ratio at 1: the remaining outputs, clipped) and
+        ``chunks`` (what ``add_chunked_req`` charged for the continued prefill)."""
+        engine = self
+
+        class RecordingAdder(self.sgl["PrefillAdder"]):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                budget, ratio = self.memory_budget, self.new_token_ratio
+                self.new_token_ratio = 1.0  # (SGLang's own offset, before the ratio scales it)
+                try:
+                    outputs = sum(self._get_running_request_total_token_offset(r) for r in self.running_batch.reqs)
+                finally:
+                    self.new_token_ratio = ratio
+                # (integers the log's schema wants: SGLang's offsets are floats, ratio 1 gives whole counts)
+                engine._estimate = {"free": int(budget._available_and_evictable()), "outputs": round(outputs),
+                                    "running": budget.total_offset, "chunks": 0}
+
+            def add_chunked_req(self, req):
+                before = self.memory_budget.total_offset
+                try:
+                    return super().add_chunked_req(req)
+                finally:
+                    engine._estimate["chunks"] += round(self.memory_budget.total_offset - before)  # (ints added to a float)
+
+        return RecordingAdder
 
     def _observe(self) -> None:
         """Record retraction order and evicted slots as SGLang makes them (instance attributes only)."""
@@ -559,6 +594,7 @@ class SglangEngine:
         model, ``process_batch_result``; one record."""
         sched = self.scheduler
         waiting_before = {_trace_rid(r) for r in sched.waiting_queue}
+        self._estimate = None
         plan = sched.get_next_batch_to_run(running_batch=sched.running_batch, last_batch=sched.last_batch)
         sched.running_batch = plan.running_batch
         batch = plan.batch_to_run
@@ -571,6 +607,7 @@ class SglangEngine:
             # fully-idle branch resets the ratio before anything else can be scheduled.
             sched.new_token_ratio_tracker.reset()
         self._memory(record)
+        self._state(record)
         self._rejected, self._aborted, self._retracted, self._evicted = [], [], [], []
         return record
 
@@ -584,6 +621,10 @@ class SglangEngine:
                 (record.resumed if _trace_rid(req) in self._ever_retracted else record.new).append(_trace_rid(req))
                 record.cache_hits = record.cache_hits or {}
                 record.cache_hits[_trace_rid(req)] = req.prefix_len
+                if req.prefix_len:  # its hit slots, written into its row when the batch was prepared
+                    record.hit_blocks = record.hit_blocks or {}
+                    row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :req.prefix_len]
+                    record.hit_blocks[_trace_rid(req)] = [int(x) for x in row.tolist()]
         outputs_before = {_trace_rid(req): len(req.output_ids) for req in batch.reqs}
         finished_before = {_trace_rid(req) for req in batch.reqs if req.finished()}
         tokens = [self.sources[_trace_rid(req)].output_token(len(req.output_ids), self.vocab_size)
@@ -626,6 +667,33 @@ class SglangEngine:
         record.new_token_ratio = float(sched.new_token_ratio_tracker.current)
         if record.cache_hits is None:
             record.cache_hits = {}
+
+    def _state(self, record: StepRecord) -> None:
+        """The state fields, read from SGLang's objects at the end of the step: ``waiting`` (its
+        waiting queue), ``computed`` (each holder's allocated KV length, which at page size 1 is its
+        computed tokens; a retracted request waiting again, its length after the release),
+        ``ref_counts`` (how many holders' rows name each slot), ``cached_blocks`` (the slots in the
+        radix tree), ``hit_blocks`` (set by :meth:`_run`) and the estimate's terms (``_estimate``)."""
+        sched = self.scheduler
+        record.waiting = sorted(_trace_rid(r) for r in sched.waiting_queue)
+        computed = {rid: len(ids) for rid, ids in (record.block_ids or {}).items()}
+        for req in sched.waiting_queue:
+            if _trace_rid(req) in self._ever_retracted:
+                computed[_trace_rid(req)] = int(req.kv.kv_allocated_len)
+        record.computed = computed
+        counts: dict[str, int] = {}
+        for ids in (record.block_ids or {}).values():
+            for slot in ids:
+                counts[str(slot)] = counts.get(str(slot), 0) + 1
+        record.ref_counts = counts
+        if self.config.enable_prefix_caching:
+            record.cached_blocks = sorted(int(x) for x in self.tree_cache.all_values_flatten().tolist())
+        if record.hit_blocks is None:
+            record.hit_blocks = {}
+        if self._estimate is not None:
+            e = self._estimate
+            record.estimate_parts = dict(e)
+            record.estimate_rem = e["free"] - e["running"] - e["chunks"]
 
     def _finish_reason(self, req) -> str:
         """SGLang's finish reason, named the way spec.formats names them."""

@@ -158,6 +158,99 @@ def test_random_traces_run_without_adapter_errors(sglang_ready):
     assert not errors, errors[0].explanation
 
 
+def _recorded_pairs():
+    """Every corpus trace with SGLang's recorded log, except the campaign's saved finding
+    (``free-order-tail``: its log is the campaign's, as the triage tests read it)."""
+    base = ROOT / "tests" / "corpus" / "sglang"
+    return [(log.with_name(log.name.replace(".log.jsonl", ".jsonl")), log) for log in sorted(base.glob("*/*.log.jsonl"))
+            if log.name != "free-order-tail.log.jsonl"]
+
+
+@pytest.mark.sglang
+def test_recorded_logs_match_live_sglang(sglang_ready):
+    """The SGLang logs stored in tests/corpus/sglang (which the normal suite replays the spec
+    against) are what SGLang 0.5.23 writes today, state fields included, at each log's level."""
+    from fuzz.sglang_adapter import SglangEngine
+    from spec.config import resolve
+    from spec.io import load_log, load_trace
+    from spec.protocol import StepLimitError, drive
+
+    pairs = _recorded_pairs()
+    assert len(pairs) >= 14
+    for trace_path, log_path in pairs:
+        stored = load_log(log_path)
+        trace = load_trace(trace_path)
+        try:
+            live = drive(SglangEngine(trace), trace, resolve(trace.config).max_steps)
+        except StepLimitError as e:  # (the stall finding: SGLang never schedules it)
+            live = e.records
+        assert [r.to_json(stored.level) for r in live] == [r.to_json(stored.level) for r in stored.records], \
+            f"{log_path.name}: SGLang no longer writes the stored log"
+
+
+@pytest.mark.sglang
+def test_the_adapter_logs_sglangs_own_queue_cache_and_estimate(sglang_ready):
+    """The state fields come from SGLang's objects (its waiting queue, each holder's allocated
+    slots, the radix tree's slots, the hit slots in a request's row, the PrefillAdder's
+    ``rem_total_tokens`` and its terms), so every conformance run compares the spec's with
+    SGLang's own: not vacuously (the queue, the tree, the hits and the estimate's running and
+    chunk terms are non-empty in many steps), and they agree."""
+    from fuzz.capabilities import for_engine
+    from fuzz.conform import trace_for
+    from fuzz.replay import replay
+
+    env = for_engine("sglang")
+    seen = {"waiting": 0, "cached": 0, "hits": 0, "running": 0, "chunks": 0}
+    for seed in range(40):
+        result = replay(trace_for(seed, env), "sglang", "exact")
+        if not result.agreed:  # (the documented differences: decisions, never a state field first)
+            assert result.divergence.field in ("scheduled", "new", "finished"), result.describe()
+            continue
+        records = result.engine_records
+        assert all(r.waiting is not None and r.computed is not None and r.ref_counts is not None for r in records)
+        seen["waiting"] += sum(bool(r.waiting) for r in records)
+        seen["cached"] += sum(bool(r.cached_blocks) for r in records)
+        seen["hits"] += sum(bool(r.hit_blocks) for r in records)
+        parts = [r.estimate_parts for r in records if r.estimate_parts]
+        seen["running"] += sum(p["running"] > 0 for p in parts)
+        seen["chunks"] += sum(p["chunks"] > 0 for p in parts)
+    assert seen["waiting"] > 100 and seen["cached"] > 100 and seen["hits"] >= 5, seen
+    assert seen["running"] >= 20 and seen["chunks"] >= 1, seen
+
+
+@pytest.mark.parametrize("field_name, rule", [("estimate_parts", "ESTIMATE.RUNNING_RATIO"), ("cached_blocks", None),
+                                              ("waiting", None), ("hit_blocks", "CACHE.HIT")])
+def test_one_wrong_state_entry_in_a_recorded_sglang_log_is_caught_at_its_step(field_name, rule):
+    """The recorded SGLang logs carry the state fields, so the normal suite (no SGLang) holds
+    the spec to SGLang's own queue, radix tree, hits and estimate: one changed entry in one
+    step is reported at that step, on that field."""
+    from fuzz.replay import replay_records
+    from spec.io import load_log, load_trace
+
+    for trace_path, log_path in _recorded_pairs():
+        log = load_log(log_path)
+        if "agree" not in str(log_path) or log.level != "exact":
+            continue
+        step = next((r for r in log.records if getattr(r, field_name) and
+                     (field_name != "estimate_parts" or r.estimate_parts["running"] > 0)), None)
+        if step is None:
+            continue
+        value = getattr(step, field_name)
+        if field_name == "estimate_parts":
+            value["running"] += 0.5
+        elif isinstance(value, dict):
+            value[sorted(value)[0]] = [b + 1000 for b in value[sorted(value)[0]]]
+        else:
+            value.append(10_000)
+        result = replay_records(load_trace(trace_path), log.records, "exact", engine="sglang")
+        assert not result.agreed and result.divergence.step == step.step, (log_path.name, result.describe())
+        assert result.divergence.field == field_name, result.divergence.describe()
+        if rule is not None:
+            assert result.divergence.rule == rule, result.divergence.describe()
+        return
+    pytest.fail(f"no recorded SGLang log has a step with {field_name}")
+
+
 @pytest.mark.parametrize("name", sorted(DIFFERENCE_TRACES))
 def test_documented_differences_diverge_where_their_description_says(name):
     """Each documented difference has a minimal trace and SGLang's recorded log (no SGLang needed):
