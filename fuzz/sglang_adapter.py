@@ -354,6 +354,7 @@ class SglangEngine:
         self._client_aborted: set[str] = set()
         self._admitted: set[str] = set()
         self._estimate: dict[str, float] | None = None  # this step's admission round, as SGLang's PrefillAdder began it
+        self._registered: dict[str, list[int]] = {}  # this step's new tree slots, as ordinals of each request's row
         self._build()
 
     # -- construction ------------------------------------------------------
@@ -531,7 +532,23 @@ class SglangEngine:
                 self._evicted.extend(int(i) for i in indices.tolist())
             return free(indices)
 
+        def registering(method):
+            def run(req, *args, **kwargs):  # (ordinals of the row's slots the tree did not hold before)
+                if req.kv.req_pool_idx is None:
+                    return method(req, *args, **kwargs)
+                row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :int(req.kv.kv_allocated_len)].tolist()
+                before = set(tree.all_values_flatten().tolist())
+                out = method(req, *args, **kwargs)
+                new = set(tree.all_values_flatten().tolist()) - before
+                ordinals = [i for i, slot in enumerate(row) if slot in new]
+                if ordinals:
+                    self._registered.setdefault(_trace_rid(req), []).extend(ordinals)
+                return out
+            return run
+
         sched._add_request_to_queue = on_add_to_queue
+        if self.config.enable_prefix_caching:
+            tree.checkpoint = registering(tree.checkpoint)  # (every insert of a request's tokens goes through it)
         for name in ("evict", "evict_for_alloc"):  # the allocator's evict_to_free_tokens calls the latter
             if hasattr(tree, name):
                 setattr(tree, name, observed(getattr(tree, name)))
@@ -673,7 +690,9 @@ class SglangEngine:
         waiting queue), ``computed`` (each holder's allocated KV length, which at page size 1 is its
         computed tokens; a retracted request waiting again, its length after the release),
         ``ref_counts`` (how many holders' rows name each slot), ``cached_blocks`` (the slots in the
-        radix tree), ``hit_blocks`` (set by :meth:`_run`) and the estimate's terms (``_estimate``)."""
+        radix tree), ``cache_registered`` (the slots the step's ``checkpoint`` calls added to the tree,
+        as ordinals of each request's row: :meth:`_observe`), ``hit_blocks`` (set by :meth:`_run`) and
+        the estimate's terms (``_estimate``)."""
         sched = self.scheduler
         record.waiting = sorted(_trace_rid(r) for r in sched.waiting_queue)
         computed = {rid: len(ids) for rid, ids in (record.block_ids or {}).items()}
@@ -688,6 +707,7 @@ class SglangEngine:
         record.ref_counts = counts
         if self.config.enable_prefix_caching:
             record.cached_blocks = sorted(int(x) for x in self.tree_cache.all_values_flatten().tolist())
+            record.cache_registered, self._registered = self._registered, {}
         if record.hit_blocks is None:
             record.hit_blocks = {}
         if self._estimate is not None:

@@ -191,8 +191,8 @@ def test_recorded_logs_match_live_sglang(sglang_ready):
 @pytest.mark.sglang
 def test_the_adapter_logs_sglangs_own_queue_cache_and_estimate(sglang_ready):
     """The state fields come from SGLang's objects (its waiting queue, each holder's allocated
-    slots, the radix tree's slots, the hit slots in a request's row, the PrefillAdder's
-    ``rem_total_tokens`` and its terms), so every conformance run compares the spec's with
+    slots, the radix tree's slots and the ones each checkpoint added, the hit slots in a
+    request's row, the PrefillAdder's ``rem_total_tokens`` and its terms), so every conformance run compares the spec's with
     SGLang's own: not vacuously (the queue, the tree, the hits and the estimate's running and
     chunk terms are non-empty in many steps), and they agree."""
     from fuzz.capabilities import for_engine
@@ -200,7 +200,7 @@ def test_the_adapter_logs_sglangs_own_queue_cache_and_estimate(sglang_ready):
     from fuzz.replay import replay
 
     env = for_engine("sglang")
-    seen = {"waiting": 0, "cached": 0, "hits": 0, "running": 0, "chunks": 0}
+    seen = {"waiting": 0, "cached": 0, "registered": 0, "hits": 0, "running": 0, "chunks": 0}
     for seed in range(40):
         result = replay(trace_for(seed, env), "sglang", "exact")
         if not result.agreed:  # (the documented differences: decisions, never a state field first)
@@ -210,16 +210,18 @@ def test_the_adapter_logs_sglangs_own_queue_cache_and_estimate(sglang_ready):
         assert all(r.waiting is not None and r.computed is not None and r.ref_counts is not None for r in records)
         seen["waiting"] += sum(bool(r.waiting) for r in records)
         seen["cached"] += sum(bool(r.cached_blocks) for r in records)
+        seen["registered"] += sum(bool(r.cache_registered) for r in records)
         seen["hits"] += sum(bool(r.hit_blocks) for r in records)
         parts = [r.estimate_parts for r in records if r.estimate_parts]
         seen["running"] += sum(p["running"] > 0 for p in parts)
         seen["chunks"] += sum(p["chunks"] > 0 for p in parts)
-    assert seen["waiting"] > 100 and seen["cached"] > 100 and seen["hits"] >= 5, seen
+    assert seen["waiting"] > 100 and seen["cached"] > 100 and seen["registered"] > 20 and seen["hits"] >= 5, seen
     assert seen["running"] >= 20 and seen["chunks"] >= 1, seen
 
 
 @pytest.mark.parametrize("field_name, rule", [("estimate_parts", "ESTIMATE.RUNNING_RATIO"), ("cached_blocks", None),
-                                              ("waiting", None), ("hit_blocks", "CACHE.HIT")])
+                                              ("waiting", None), ("hit_blocks", "CACHE.HIT"),
+                                              ("cache_registered", "CACHE.REGISTER_PREFILL_AND_FINISH")])
 def test_one_wrong_state_entry_in_a_recorded_sglang_log_is_caught_at_its_step(field_name, rule):
     """The recorded SGLang logs carry the state fields, so the normal suite (no SGLang) holds
     the spec to SGLang's own queue, radix tree, hits and estimate: one changed entry in one
