@@ -630,6 +630,9 @@ CATALOGUE_MUTANTS = [
     Mutant("full_sequence_ignores_evictable_hits", "VLLM-17", "the whole-sequence admission test leaves out the "
            "evictable cached blocks a prefix hit takes from the free queue",
            _one_line(F, "admission_walk", "+ e + wm <= seen_free", "+ wm <= seen_free")),
+    Mutant("pending_abort_takes_stop", "LMD-06", "a running request whose client abort is pending still has the "
+           "stop rules applied to the token it samples (finished by length, not aborted)",
+           _one_line(Scheduler, "update", "fin_mask = fin_mask & ~pending", "fin_mask = fin_mask")),
 ]
 
 MUTANTS = [
@@ -828,6 +831,7 @@ AT_FAULT: dict[str, tuple[str, ...]] = {
     "vtc_lift_lowers": ("VTC.LIFT",),
     "stop_ids_kept_on_reuse": ("STOP.STOP_TOKEN",),
     "full_sequence_ignores_evictable_hits": ("ADMIT.FULL_SEQUENCE",),
+    "pending_abort_takes_stop": ("ABORT.AFTER_NEXT_SAMPLE",),
 }
 
 

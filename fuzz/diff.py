@@ -965,6 +965,17 @@ def _token_stop_between(spec: StepRecord, engine: StepRecord, request: str | Non
     return tokens[0] if len(tokens) == 1 else None
 
 
+def pending_abort_stop(spec: StepRecord, engine: StepRecord, request: str | None) -> str | None:
+    """``ABORT.AFTER_NEXT_SAMPLE`` when one side finishes ``request`` by a stop rule in this step and
+    the other does not, and the spec cited that rule for it in this step: its client abort was
+    pending, so the token it samples is freed as an abort and no stop rule applies to it.  None
+    otherwise."""
+    if request is None or (request in dict(map(tuple, spec.finished))) == (request in dict(map(tuple, engine.finished))):
+        return None
+    cited = any(r.get("rule") == "ABORT.AFTER_NEXT_SAMPLE" and r.get("request") == request for r in spec.reasons or ())
+    return "ABORT.AFTER_NEXT_SAMPLE" if cited else None
+
+
 def _drafts_differ(spec: StepRecord, engine: StepRecord, request: str) -> bool:
     """Both logs carry ``drafts`` and schedule ``request``, with other draft counts for it."""
     if spec.drafts is None or engine.drafts is None or request not in dict(spec.scheduled) \
@@ -997,6 +1008,8 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
     """The rule behind the spec's value when the two sides decided the same thing differently in
     degree, not in kind — the request's own ``RUN.*`` / ``ADMIT.*`` reason says only that it ran:
 
+    * ``finished``, a request one side stops and the other does not while its client abort is pending:
+      ``ABORT.AFTER_NEXT_SAMPLE`` (no stop rule applies to the token it samples then);
     * ``scheduled``, the request on both sides with other draft counts (``drafts``, when both logs carry
       it): the drafts' rule — an admission's dummy drafts (``SPEC.PAD_ADMISSION``), discarded at a
       preemption since it last sampled (``SPEC.PREEMPT_DISCARDS``), else how drafts are scheduled
@@ -1040,7 +1053,7 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
             and dict(spec.scheduled).get(request, 0) <= spec.token_cap < dict(engine.scheduled).get(request, 0):
         return "BUDGET.LONG_PREFILL"  # (the engine gave it more than the cap both say the step applied)
     if name == "finished":
-        token_stop = _token_stop_between(spec, engine, request)
+        token_stop = pending_abort_stop(spec, engine, request) or _token_stop_between(spec, engine, request)
         if token_stop is not None:
             return token_stop
     if name == "scheduled" and _drafts_differ(spec, engine, request):  # its drafts are what differ in its count
