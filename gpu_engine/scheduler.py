@@ -154,6 +154,7 @@ class Scheduler:
         self.prefill_finish = c.cache_register == "prefill-and-finish"
         self.owed_pops: list | None = None  # KV.BATCH_ALLOCATION: (slots, need, held, total) to pop
         self.stash: list[tuple[int, str]] = []  # CACHE.REGISTER_PREFILL_AND_FINISH: cut prefills to register
+        self.continuing: set[str] = set()  # the prefills this step continues (the last step cut them)
         if self.leaf_lru:
             self.pool = RadixBlockPool(self.be, c.num_blocks, c.null_block, c.enable_prefix_caching)
         else:
@@ -868,6 +869,7 @@ class Scheduler:
         * "static": phase 2 only into an empty engine (nothing running at the start
           of the step), phase 1 otherwise.
         """
+        self.continuing = {rid for _, rid in self.stash}  # (a continued prefill's last chunk may be one token)
         if self.steady and self._steady_knobs and not (self.num_waiting or self.num_swapped or self.stash):
             batch = self._steady_step()
             if batch is not None:
@@ -1169,16 +1171,19 @@ class Scheduler:
         """ESTIMATE.ADMIT for a window: ``(ok, rem_before)``, host float64.
 
         ``rem_before[j]`` = ``rem`` minus, one subtraction at a time, what each earlier
-        candidate reserves (``ceil_B(extend) + remaining_output + block_size + locked``): an
-        accumulate, i.e. the same float roundings as a sequential loop.  ``locked``: the tokens
-        of each candidate's hit that sit evictable (ESTIMATE.OWN_HIT_LOCKED), needed and charged."""
+        candidate reserves (``ceil_B(extend) + min(max_tokens, clip) + block_size + locked``:
+        SGLang tests the remaining output but reserves the whole requested one, which differ for
+        a request resumed after a retraction): an accumulate, i.e. the same float roundings as a
+        sequential loop.  ``locked``: the tokens of each candidate's hit that sit evictable
+        (ESTIMATE.OWN_HIT_LOCKED), needed and charged."""
         bs = self.bs
         ext = self.be.host(extend)
         lock = self.be.host(locked)
         out = self._remaining_output(slots)
+        whole = np.minimum(self.be.host(self.max_tokens[slots]), self.config.clip_max_new_tokens)
         steps = np.empty(len(ext) + 1)
         steps[0] = rem
-        steps[1:] = -(cdiv(ext, bs) * bs + out + bs + lock).astype(np.float64)
+        steps[1:] = -(cdiv(ext, bs) * bs + whole + bs + lock).astype(np.float64)
         before = np.add.accumulate(steps)
         return ext + out + bs + lock < before[:-1], before
 
@@ -1910,7 +1915,8 @@ class Scheduler:
 
     def _settle_inserting(self, batch: Batch, smp: Array, ntok: Array, fin_mask, code, pending) -> list:
         """CACHE.REGISTER_PREFILL_AND_FINISH after the outputs: each sampler in batch order registers
-        its computed blocks if it prefilled in this step (a resumed or new request, or a chunk),
+        its computed blocks if it prefilled in this step (a resumed or new request, or a chunk, a
+        continued one's last chunk included however short: ``continuing``),
         finished, or is freed after this sample (an abort); a finished or aborted one is then freed,
         in batch order as SGLang releases them; the cut prefills register when the next step
         begins (``stash``, :meth:`schedule`)."""
@@ -1928,7 +1934,7 @@ class Scheduler:
                 continue
             outs = int(self.num_output_tokens[s]) - 1  # (before this step's token)
             done, aborted = fin.get(s, False), s in self.abort_pending
-            if done or aborted or self.ids[s] in resumed or outs == 0 or st < nt - 2:
+            if done or aborted or self.ids[s] in resumed or self.ids[s] in self.continuing or outs == 0 or st < nt - 2:
                 self._cache_blocks(self.be.asarray([s]), self.be.asarray([int(self.num_computed_tokens[s])]))
             if done or aborted:
                 self._free_tables(self.be.asarray([s]))

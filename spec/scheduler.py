@@ -408,19 +408,21 @@ def fewest_outputs_victim(running: list[Request]) -> Request:
 
 
 @rule("CACHE.REGISTER_PREFILL_AND_FINISH", knobs=("cache_register",))
-def prefilled(req: Request, s: ScheduledRequest, resumed: set[str]) -> bool:
+def prefilled(req: Request, s: ScheduledRequest, starting: set[str]) -> bool:
     """Under cache_register="prefill-and-finish", a request's computed blocks enter the prefix
     cache after a step in which it computed prompt tokens (a new or resumed request, or a
-    chunk), and when it finishes or an abort frees it after its next sample (before its blocks
-    are freed); a decode step that does not end it registers nothing.  Samplers register in
-    batch order, after their output; a prefill the step cut (no output) when the next step begins.
+    chunk: ``starting`` holds the step's resumed requests and the prefills the last step cut,
+    whose last chunk may be a single token, as a decode's is), and when it finishes or an abort
+    frees it after its next sample (before its blocks are freed); a decode step that does not
+    end it registers nothing.  Samplers register in batch order, after their output; a prefill
+    the step cut (no output) when the next step begins.
 
     SGLang inserts a request into its radix tree after each extend batch (checkpoint_kv_cache,
     the chunked request when the next step begins) and in release_kv_cache at finish (an abort
     of a running request is a finish, FINISH_ABORT); decoded tokens stay private to the request
     until then, so a retracted request frees them.
     """
-    return s.request_id in resumed or not req.output_token_ids or s.start < req.num_tokens - 1
+    return s.request_id in starting or not req.output_token_ids or s.start < req.num_tokens - 1
 
 
 @rule("CACHE.EVICT_ON_RETRACT", knobs=("cache_eviction", "admission", "retract_decode_steps"))
@@ -509,16 +511,27 @@ def estimate_admits(need: int, rem: float) -> bool:
         rem = free_blocks x block_size                       (free + evictable)
               - sum over running r of  new_token_ratio x remaining_output(r)
               - sum over requests admitted earlier in this step of
-                    (ceil_B(extend) + remaining_output + block_size)
+                    (ceil_B(extend) + min(max_tokens, clip_max_new_tokens) + block_size)
 
     with ``free_blocks`` counted when the step's admission round begins (after the
     running phase's allocations under continuous batching; SGLang's PrefillAdder:
     rem_total_tokens), the running sum taken in running-list order in floating point.
     Running requests are expected to need only a fraction of their remaining output;
-    a request admitted now is charged its whole remaining output.  A request that
-    fails stops admission (head-of-line).
+    a request admitted now is tested with its whole remaining output and charged its
+    whole requested output (:func:`admission_output_charge`: a resumed request's
+    earlier outputs count again).  A request that fails stops admission (head-of-line).
     """
     return need < rem
+
+
+def admission_output_charge(req: Request, cfg: SchedulerConfig) -> int:
+    """ESTIMATE.ADMIT's charge to ``rem`` for the output of a request it admits whole:
+    ``min(max_tokens, clip_max_new_tokens)``, its whole requested output, even for a request
+    resumed after a retraction, whose test counted only the outputs it has left.  SGLang's
+    add_one_req tests ``max_new_tokens - len(output_ids)`` but _select_prefill_admission
+    reserves ``min(sampling_params.max_new_tokens, CLIP_MAX_NEW_TOKENS)``, so a resumed
+    request holds back more than it can use until the round ends."""
+    return min(req.max_tokens, cfg.clip_max_new_tokens)
 
 
 #: SGLang's IGNORE_EOS_RESERVE_TOKENS: the tokens ESTIMATE.IGNORE_EOS_RESERVE keeps free per
@@ -1088,7 +1101,7 @@ class SpecEngine:
         self.on_preempt = [async_sched.zero_placeholders] if asynchronous else []
         self._compose_speculative(plan)
         if self.config.cache_register == "prefill-and-finish":  # CACHE.REGISTER_PREFILL_AND_FINISH
-            self.on_computed, self._prefilled, self._cut = [self._note_prefills], set(), []
+            self.on_computed, self._prefilled, self._cut, self._continued = [self._note_prefills], set(), [], set()
             self.verify_drafts.append(self._register_at_output)
             self.after_outputs.append(self._note_cut_prefills)
         if self.config.cache_eviction == "leaf-lru" and plan.requeue == "RETRACT.TO_TAIL":
@@ -1476,6 +1489,7 @@ class SpecEngine:
         prefix cache as this step begins, before anything is looked up or allocated, unless an
         abort freed it meanwhile (CACHE.REGISTER_PREFILL_AND_FINISH; SGLang's stash_chunked_request)."""
         cut, self._cut = self._cut, []
+        self._continued = set(cut)  # (their chunks this step are prefill chunks, however short)
         for rid in cut:
             req = self.requests.get(rid)
             if req is not None and req.status == Status.RUNNING:
@@ -1790,7 +1804,7 @@ class SpecEngine:
             st.out.reasons.append(reason(rule_id, req.request_id,
                                          f"{why} (new_token_ratio {self.new_token_ratio:.6f})"))
             return False
-        st.rem -= paged + remaining_output(req, cfg)
+        st.rem -= paged + admission_output_charge(req, cfg)
         st.cur_rem -= paged
         return True
 
@@ -2078,8 +2092,8 @@ class SpecEngine:
 
     def _note_prefills(self, out: SchedulerOutput) -> None:
         """CACHE.REGISTER_PREFILL_AND_FINISH: which requests of the batch computed prompt tokens."""
-        resumed = set(out.resumed)
-        self._prefilled = {s.request_id for s in out.scheduled if prefilled(self.requests[s.request_id], s, resumed)}
+        starting = set(out.resumed) | self._continued
+        self._prefilled = {s.request_id for s in out.scheduled if prefilled(self.requests[s.request_id], s, starting)}
 
     def _register_at_output(self, req: Request, s: ScheduledRequest, why: str | None) -> str | None:
         """CACHE.REGISTER_PREFILL_AND_FINISH: a sampler's blocks enter the cache after its output,
