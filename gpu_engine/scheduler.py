@@ -187,6 +187,7 @@ class Scheduler:
         # ESTIMATE.HOLD_UNTIL_DEPARTURE: request ids of the batch admission waits on (None: not held)
         self.plan_hold = c.admission_hold == "until-departure"
         self.hold: frozenset | None = None
+        self.touch_rounds = 0  # CACHE.TOUCH_WAITING: open admission rounds so far
         self._pre_batch = 0  # requests running when the step began (the hold needs a running batch)
         self.cut: list[tuple[int, str]] = []  # (slot, request id) of the prefills the last step cut
         self.watermark_blocks = c.watermark_blocks
@@ -894,7 +895,8 @@ class Scheduler:
             batch.token_cap = cap
         slots1 = n1 = slots_in = n_in = slots_c = n_c = slots2 = n2 = empty
         starved = not len(self.running) and (self.num_waiting > 0 or self.num_swapped > 0)
-        had_cut = self.plan_hold and any(self.ids[s] == rid and int(self.status[s]) == RUNNING for s, rid in self.cut)
+        cut_continues = any(self.ids[s] == rid and int(self.status[s]) == RUNNING for s, rid in self.cut)
+        had_cut = self.plan_hold and cut_continues
         self._pre_batch = len(self.running)
         if self.continues:  # RUN.CONTINUE_PREFILL_FIRST: before any admission
             slots_c, n_c, budget = self._continue_prefill(budget, cap)
@@ -902,6 +904,7 @@ class Scheduler:
             self._slo_admission(batch)
         held = c.batching == "prefill-first" and not self.num_swapped and self._held(had_cut)
         if c.batching == "prefill-first" and self.num_waiting and not self.num_swapped and not held:
+            self._touch_waiting(cut_continues)
             slots2, n2, budget = self._schedule_waiting(batch, budget, cap, len(slots_c), (slots_c, n_c))
         if self.owed_pops is not None:
             self._take_deferred()
@@ -922,6 +925,7 @@ class Scheduler:
                          or (batch.preempted and not c.admit_after_preempt) or self.num_swapped)
             admit = admit and not self._held(had_cut)
             if admit and self.num_waiting:
+                self._touch_waiting(cut_continues)
                 if self.num_spec:  # what decides a padded admission (formulas.draft_padding)
                     self._pad_others = (len(slots1) > 0, len(slots1) > 0 and xp.any_true(self.mid_prefill[slots1] > 0))
                 slots2, n2, budget = self._schedule_waiting(batch, budget, cap, len(slots1) + len(slots_in))
@@ -1045,6 +1049,21 @@ class Scheduler:
             self._preempt(victims, batch)
         batch.preempted += [self.ids[v] for v in xp.to_list(victims)]
         return run[self.status[run] == RUNNING]
+
+    def _touch_waiting(self, cut_continues: bool) -> None:
+        """CACHE.TOUCH_WAITING (leaf-lru with caching): an open admission round with room for a
+        request, or with a prefill the last step cut continuing, is counted; the 1st and every
+        32nd looks up the first 128 waiting requests' whole token runs in the trie, the queue
+        head last."""
+        if not (self.leaf_lru and self.caching):
+            return
+        if len(self.running) >= self.config.max_num_seqs and not cut_continues:
+            return
+        due, self.touch_rounds = self.touch_rounds % 32 == 0, self.touch_rounds + 1
+        if not due:
+            return
+        for s in reversed(xp.to_list(self._queue_head(min(self.num_waiting, 128)))):
+            self.pool.lookup(self.hashes[s], int(self.num_tokens[s]) // self.bs)
 
     def _held(self, had_cut: bool) -> bool:
         """ESTIMATE.HOLD_UNTIL_DEPARTURE at the admission gate: held while every request of the

@@ -373,6 +373,7 @@ def step_plan(cfg: "SchedulerConfig") -> StepPlan:
     slo_gate = ("slo_admission",) if cfg.slo_admission != "off" else ()  # SLO.REFUSE / SLO.DEFER
     slo_gate = (("hold_until_departure",) if cfg.admission_hold != "off" else ()) + slo_gate  # ESTIMATE.HOLD_*
     stash = ("stash_cut_prefills",) if cfg.cache_register == "prefill-and-finish" else ()  # CACHE.REGISTER_PREFILL_*
+    touch = ("touch_waiting_prefixes",) if cfg.cache_eviction == "leaf-lru" and cfg.enable_prefix_caching else ()
     retract = ("retract_before_running",) if cfg.admission == "estimate" else ()  # RETRACT.BATCH_TEST
     after_running = (("charge_vtc",) if cfg.policy == "vtc" else ()) + \
         (("update_ratio",) if cfg.admission == "estimate" else ()) + (("swap_in",) if swap else ())
@@ -380,13 +381,14 @@ def step_plan(cfg: "SchedulerConfig") -> StepPlan:
         first = ("continue_prefill",) if cfg.prefill_chunking != "any" else ()
         defer, take = (("defer_prefill_blocks",), ("take_prefill_blocks",)) if cfg.cache_eviction == "leaf-lru" \
             else ((), ())  # KV.BATCH_ALLOCATION
-        phases = (*stash, *(("hold_for_swapped",) if swap else ()), *defer, *first, *slo_gate, "schedule_waiting", *take,
+        phases = (*stash, *(("hold_for_swapped",) if swap else ()), *defer, *first, *slo_gate, *touch, "schedule_waiting", *take,
                   "end_prefill_batch",
                   *at_risk, *retract, "schedule_running", *after_running)
     else:
         gates = (("hold_static_batch",) if cfg.batching == "static" else ()) + \
             (() if cfg.admit_after_preempt else ("hold_after_preempt",)) + (("hold_for_swapped",) if swap else ())
-        phases = (*stash, *at_risk, *retract, "schedule_running", *after_running, *gates, *slo_gate, "schedule_waiting")
+        phases = (*stash, *at_risk, *retract, "schedule_running", *after_running, *gates, *slo_gate, *touch,
+                  "schedule_waiting")
     estimate = cfg.admission == "estimate"
     if estimate:
         victim = "RETRACT.VICTIM_FEWEST_OUTPUTS"

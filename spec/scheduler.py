@@ -425,6 +425,28 @@ def prefilled(req: Request, s: ScheduledRequest, starting: set[str]) -> bool:
     return s.request_id in starting or not req.output_token_ids or s.start < req.num_tokens - 1
 
 
+#: SGLang's WAITING_PREFIX_REFRESH_INTERVAL and WAITING_QUEUE_PREFIX_MATCH_MAX (managers/schedule_policy.py).
+TOUCH_WAITING_INTERVAL, TOUCH_WAITING_MAX = 32, 128
+
+
+@rule("CACHE.TOUCH_WAITING", knobs=("cache_eviction", "enable_prefix_caching"))
+def touch_waiting_due(rounds: int) -> bool:
+    """Under cache_eviction="leaf-lru", the admission rounds that reach the queue's ordering
+    look up the cached prefix of the first 128 waiting requests (prompt and outputs), from
+    the 128th to the head, on the 1st round and every 32nd after: each lookup stamps its
+    matched path most recent and splits the node it ends in, as a lookup at admission does,
+    so a waiting request's cached prefix outlives newer leaves (the head's most of all).  A
+    round reaches the ordering when somebody waits and admission is open: not held
+    (ESTIMATE.HOLD_UNTIL_DEPARTURE, SGLang's batch_is_full) and room for another request
+    (fewer running than max_num_seqs), or a prefill the last step cut continues.
+    ``rounds``: such rounds before this one.  Returns whether this one looks up.
+
+    SGLang's SchedulePolicy.calc_priority ends with _touch_waiting_prefixes
+    (SGLANG_ENABLE_WAITING_PREFIX_REFRESH, on by default, LRU eviction, a cache-agnostic
+    policy such as fcfs): touch_waiting_prefix matches each request's key in the tree."""
+    return rounds % TOUCH_WAITING_INTERVAL == 0
+
+
 @rule("CACHE.EVICT_ON_RETRACT", knobs=("cache_eviction", "admission", "retract_decode_steps"))
 def retract_eviction_target(remaining: list[Request], cfg: SchedulerConfig) -> int:
     """Under cache_eviction="leaf-lru" with admission="estimate", a retraction evicts eagerly:
@@ -1100,6 +1122,7 @@ class SpecEngine:
         self.after_schedule = [self._add_placeholders] if asynchronous else []
         self.on_preempt = [async_sched.zero_placeholders] if asynchronous else []
         self._compose_speculative(plan)
+        self._touch_rounds = 0  # CACHE.TOUCH_WAITING: admission rounds that reached the queue's ordering
         if self.config.cache_register == "prefill-and-finish":  # CACHE.REGISTER_PREFILL_AND_FINISH
             self.on_computed, self._prefilled, self._cut, self._continued = [self._note_prefills], set(), [], set()
             self.verify_drafts.append(self._register_at_output)
@@ -1434,6 +1457,21 @@ class SpecEngine:
         if len(self.waiting):
             head = self.waiting.peek().request_id
             st.out.reasons.append(reason(ADMIT_AFTER_PREEMPT, head, f"{len(st.out.preempted)} preempted; no admissions"))
+
+    @phase("touch_waiting_prefixes")
+    def _phase_touch_waiting(self, st: StepState) -> None:
+        """CACHE.TOUCH_WAITING (rule in :func:`touch_waiting_due`): in a round that reaches the
+        queue's ordering, every 32nd such round looks up the first 128 waiting requests' cached
+        prefixes, the head last."""
+        full = len(self.running) >= self.config.max_num_seqs and not self.cut_prefills()
+        if not len(self.waiting) or st.admission_held or full:
+            return
+        due, self._touch_rounds = touch_waiting_due(self._touch_rounds), self._touch_rounds + 1
+        if not due:
+            return
+        bs = self.config.block_size
+        for req in reversed(list(self.waiting)[:TOUCH_WAITING_MAX]):
+            self.kv.pool.lookup(req.block_hashes[: req.num_tokens // bs])
 
     @phase("schedule_waiting")
     def _phase_waiting(self, st: StepState) -> None:
