@@ -649,6 +649,7 @@ RULE_NEEDS: dict[str, dict[str, Any]] = {
     "KV.FREE_TO_TAIL": {"free_block_order": ("tail",)},
     # SGLang's radix cache (issue 16, differences 8 and 13)
     "CACHE.EVICT_LEAF_LRU": {"enable_prefix_caching": (True,), "cache_eviction": ("leaf-lru",)},
+    "CACHE.TOUCH_WAITING": {"enable_prefix_caching": (True,), "cache_eviction": ("leaf-lru",)},
     "KV.BATCH_ALLOCATION": {"cache_eviction": ("leaf-lru",), "batching": ("prefill-first",)},
     "CACHE.EVICT_ON_RETRACT": {"enable_prefix_caching": (True,), "cache_eviction": ("leaf-lru",),
                                "admission": ("estimate",)},
