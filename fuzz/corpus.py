@@ -309,7 +309,7 @@ def group_signature(result: ReplayResult) -> Signature:
     ``RUN.PREFILL_CHUNK``), which is as incidental to a block-accounting bug as its id."""
     from fuzz.diff import (DECISION, PRE_DECISION_FIELDS, _involved, _token_stop_between, _value, as_configured,
                            budget_giveback_rule, configured_rule, decision_cause, field_rule, ghost, hit_differs,
-                           pending_abort_stop, spec_reason)
+                           pending_abort_stop, spec_reason, stop_in_drafts)
     from fuzz.shrink import signature
     from spec.formats import StepRecord, fields_at
 
@@ -339,7 +339,8 @@ def group_signature(result: ReplayResult) -> Signature:
             return (div.kind, name, "CACHE.HIT")
         if name == "finished":  # the stop rule of whichever side finished it: the same bug either way round
             between = (pending_abort_stop(spec, eng, request) or _token_stop_between(spec, eng, request)
-                       if spec and eng else None)  # (an abort pending; both stopped it, a token's and a length)
+                       or stop_in_drafts(spec, eng, request)
+                       if spec and eng else None)  # (an abort pending; a token's and a length; in its drafts)
             return (div.kind, name, between or _cause_rule(spec, request, name) or _stop_rule(eng, request) or "-")
         if name in _CAUSE_FAMILIES:  # only a rule that decides this field names it (else "-", not an unrelated one)
             own = as_configured(field_rule(name, spec, eng, request), config) if spec and eng else None

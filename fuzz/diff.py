@@ -976,6 +976,23 @@ def pending_abort_stop(spec: StepRecord, engine: StepRecord, request: str | None
     return "ABORT.AFTER_NEXT_SAMPLE" if cited else None
 
 
+def stop_in_drafts(spec: StepRecord, engine: StepRecord, request: str | None) -> str | None:
+    """``SPEC.STOP_IN_DRAFTS`` when the two sides end ``request`` differently (another length
+    reason, or one side only) in a step whose verification accepted some of its drafts (the
+    spec's ``accepted``, or its ``SPEC.ACCEPT`` reason): its outputs are appended one by one under
+    the stop rules, and the first stop drops the rest.  None otherwise."""
+    if request is None:
+        return None
+    a, b = dict(map(tuple, spec.finished)).get(request), dict(map(tuple, engine.finished)).get(request)
+    if a == b:
+        return None
+    accepted = (spec.accepted or {}).get(request)
+    if accepted is None:
+        cited = [r for r in spec.reasons or () if r.get("rule") == "SPEC.ACCEPT" and r.get("request") == request]
+        accepted = 0 if not cited or str(cited[0].get("text", "")).startswith("0 of") else 1
+    return "SPEC.STOP_IN_DRAFTS" if accepted > 0 else None
+
+
 def _drafts_differ(spec: StepRecord, engine: StepRecord, request: str) -> bool:
     """Both logs carry ``drafts`` and schedule ``request``, with other draft counts for it."""
     if spec.drafts is None or engine.drafts is None or request not in dict(spec.scheduled) \
@@ -1010,6 +1027,10 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
 
     * ``finished``, a request one side stops and the other does not while its client abort is pending:
       ``ABORT.AFTER_NEXT_SAMPLE`` (no stop rule applies to the token it samples then);
+    * ``finished``, a request the two sides end differently in a step that accepted some of its drafts:
+      ``SPEC.STOP_IN_DRAFTS`` (the first stop among its appended outputs drops the rest);
+    * ``scheduled``, a request the engine schedules twice in a step where a request preempted itself:
+      the walk's going on after it (``RUN.PREEMPT_FOR_BLOCKS``);
     * ``scheduled``, the request on both sides with other draft counts (``drafts``, when both logs carry
       it): the drafts' rule — an admission's dummy drafts (``SPEC.PAD_ADMISSION``), discarded at a
       preemption since it last sampled (``SPEC.PREEMPT_DISCARDS``), else how drafts are scheduled
@@ -1053,9 +1074,12 @@ def decision_cause(name: str, spec: StepRecord | None, engine: StepRecord | None
             and dict(spec.scheduled).get(request, 0) <= spec.token_cap < dict(engine.scheduled).get(request, 0):
         return "BUDGET.LONG_PREFILL"  # (the engine gave it more than the cap both say the step applied)
     if name == "finished":
-        token_stop = pending_abort_stop(spec, engine, request) or _token_stop_between(spec, engine, request)
+        token_stop = (pending_abort_stop(spec, engine, request) or _token_stop_between(spec, engine, request)
+                      or stop_in_drafts(spec, engine, request))
         if token_stop is not None:
             return token_stop
+    if name == "scheduled" and [r for r, _ in engine.scheduled].count(request) > 1 and _self_preempted(spec):
+        return "RUN.PREEMPT_FOR_BLOCKS"  # (the walk that went on after a self-preemption reached it twice)
     if name == "scheduled" and _drafts_differ(spec, engine, request):  # its drafts are what differ in its count
         if request in spec.new or request in spec.resumed:  # (an admission's drafts are dummies: the padding's)
             return "SPEC.PAD_ADMISSION"
