@@ -633,6 +633,13 @@ CATALOGUE_MUTANTS = [
     Mutant("pending_abort_takes_stop", "LMD-06", "a running request whose client abort is pending still has the "
            "stop rules applied to the token it samples (finished by length, not aborted)",
            _one_line(Scheduler, "update", "fin_mask = fin_mask & ~pending", "fin_mask = fin_mask")),
+    Mutant("self_preempt_walk_shift", "VLLM-02", "after a request preempts itself and the walk goes on, the index "
+           "shift counts the requester among the victims ahead of it, so the request before it is walked twice",
+           _one_line(Scheduler, "_schedule_running", "shift = int((vpos < p).sum())", "shift = int((vpos <= p).sum())")),
+    Mutant("drafts_after_stop", "VLLM-11", "a verification's accepted drafts are appended even when the sampled "
+           "token already stopped the request",
+           _one_line(Scheduler, "_update_verified", "for _ in range(a if code == F.STOP_NONE else 0):",
+                     "for _ in range(a):")),
 ]
 
 MUTANTS = [
@@ -744,7 +751,7 @@ AT_FAULT: dict[str, tuple[str, ...]] = {
     "max_model_len_stop_late": ("STOP.LENGTH",),
     "prompt_too_long_off_by_one": ("REJECT.PROMPT_TOO_LONG",),
     "never_fits_off_by_one": ("REJECT.NEVER_FITS",),
-    "spec_accepts_past_stop": ("SPEC.ACCEPT", "STOP.STOP_TOKEN", "STOP.EOS", "STOP.LENGTH"),
+    "spec_accepts_past_stop": ("SPEC.STOP_IN_DRAFTS", "SPEC.ACCEPT", "STOP.STOP_TOKEN", "STOP.EOS", "STOP.LENGTH"),
     "async_done_off_by_one": ("ASYNC.LAST_TOKEN_IN_FLIGHT",),
     "static_refills": ("BATCH.STATIC", "BATCH.STATIC_NO_JOIN"),
     "mru_evicted": ("KV.FREE_ORDER", "CACHE.EVICT_LRU"),
@@ -832,6 +839,8 @@ AT_FAULT: dict[str, tuple[str, ...]] = {
     "stop_ids_kept_on_reuse": ("STOP.STOP_TOKEN",),
     "full_sequence_ignores_evictable_hits": ("ADMIT.FULL_SEQUENCE",),
     "pending_abort_takes_stop": ("ABORT.AFTER_NEXT_SAMPLE",),
+    "self_preempt_walk_shift": ("RUN.PREEMPT_FOR_BLOCKS",),
+    "drafts_after_stop": ("SPEC.STOP_IN_DRAFTS",),
 }
 
 
