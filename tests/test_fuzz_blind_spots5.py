@@ -5,20 +5,9 @@ differs) and checks the rule the first divergence and the finding's group name; 
 the case the rule must leave alone."""
 from __future__ import annotations
 
-from fuzz.corpus import group_signature
 from fuzz.diff import first_divergence
-from fuzz.replay import ReplayResult
-from spec.formats import StepRecord, Trace
-
-
-def reason(rule: str, request: str, text: str = "") -> dict:
-    return {"rule": rule, "request": request, "text": text}
-
-
-def grouped(spec: list[StepRecord], eng: list[StepRecord], level: str = "decisions", config: dict | None = None):
-    div = first_divergence(spec, eng, level)
-    assert div is not None
-    return div, group_signature(ReplayResult(Trace(config=config or {}, requests=[]), "gpu", level, eng, spec, div))
+from report_helpers import grouped, reason
+from spec.formats import StepRecord
 
 
 def test_a_stop_token_against_a_length_stop_names_the_token_rule_in_the_group_too():
