@@ -185,8 +185,7 @@ class BatchTracker:
         for rid, _ in record.finished:
             computed.pop(rid, None)
             flight.pop(rid, None)  # a token still in flight for it is dropped (ASYNC.ABORT_DROPS_OUTPUT)
-        for rid in record.aborted:
-            computed.pop(rid, None)
+        for rid in record.aborted:  # (its count kept: under ABORT.AFTER_NEXT_SAMPLE it runs once more, a decode)
             flight.pop(rid, None)
         return StepShape(prefill, decodes, kv), parts
 

@@ -98,6 +98,18 @@ def test_batch_tracker_reads_hits_preemptions_and_recompute():
     assert parts == [("B", 1, True), ("A", 12, False)]
 
 
+def test_batch_tracker_keeps_a_request_aborted_until_its_next_sample():
+    """ABORT.AFTER_NEXT_SAMPLE (SGLang): A is listed aborted in the step its abort arrives, but runs once
+    more, freed with that sample.  Its last step is a decode at its computed count, not a fresh 1-token
+    prefill (a campaign on the sglang profile found gpu_engine's decode spans and the spec's simulation
+    disagreeing on the prefill-token count until the tracker kept A's count)."""
+    tracker = BatchTracker([TraceRequest(id="A", prompt_len=1, max_tokens=2), TraceRequest(id="B", prompt_len=2, max_tokens=1)])
+    tracker.shape(StepRecord(0, scheduled=[("A", 1)], new=["A"], sampled={"A": 5}))
+    tracker.shape(StepRecord(1, scheduled=[("B", 1)], new=["B"], aborted=["A"]))  # the abort arrives; A waits
+    shape, parts = tracker.shape(StepRecord(2, scheduled=[("A", 1)], sampled={"A": 6}))
+    assert shape == StepShape(prefill_tokens=0, decode_seqs=1, kv_tokens=2) and parts == [("A", 1, True)]
+
+
 def test_deterministic_and_cache_independent():
     trace = scale_to_rate(Trace(config={"profile": "vllm-v1", "num_blocks": 40, "max_num_seqs": 8},
                                 requests=[req(f"r{i}", i * 0.37, 20 + (i * 37) % 90, 1 + (i * 11) % 40,
