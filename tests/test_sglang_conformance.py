@@ -27,6 +27,7 @@ AGREE = ROOT / "tests" / "corpus" / "sglang" / "agree"
 DIFFERENCE_TRACES: dict[str, tuple[str, int, str]] = {  # (#8 and #13 agree since the radix-cache knobs)
     "decode-budget": ("decisions", 2, "scheduled"),  # deliberate: max_num_batched_tokens bounds decode steps too
     "ignore-eos-over-budget": ("decisions", 0, "scheduled"),  # deliberate: the input cap holds for ignore_eos too
+    "resumed-hit-eviction": ("exact", 31, "num_evicted"),  # open (#26): not yet explained
 }
 
 #: Minimal traces of fixed differences, with SGLang's recorded log: the sglang profile now agrees
