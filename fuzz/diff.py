@@ -953,12 +953,17 @@ def ghost(spec: StepRecord | None, engine: StepRecord | None, history: list[Step
 _TOKEN_STOPS = {"eos": "STOP.EOS", "stop_token": "STOP.STOP_TOKEN"}
 
 
+def _finish_reasons(spec: StepRecord, engine: StepRecord, request: str | None) -> tuple[str | None, str | None]:
+    """Why each side finished ``request`` in this step (None where it did not)."""
+    return dict(map(tuple, spec.finished)).get(request), dict(map(tuple, engine.finished)).get(request)
+
+
 def _token_stop_between(spec: StepRecord, engine: StepRecord, request: str | None) -> str | None:
     """Both sides finish ``request`` in this step for different reasons, one of them a token's (EOS, a
     stop token) and the other a length: the token's stop rule — the side that stopped on the token
     fired it where the other did not (an EOS an ``ignore_eos`` request must not stop on), or the
     other side missed it or put the length first (the token rules state their order); None otherwise."""
-    a, b = dict(map(tuple, spec.finished)).get(request), dict(map(tuple, engine.finished)).get(request)
+    a, b = _finish_reasons(spec, engine, request)
     if a is None or b is None or a == b:
         return None
     tokens = [_TOKEN_STOPS[w] for w in (a, b) if w in _TOKEN_STOPS]
@@ -970,7 +975,8 @@ def pending_abort_stop(spec: StepRecord, engine: StepRecord, request: str | None
     the other does not, and the spec cited that rule for it in this step: its client abort was
     pending, so the token it samples is freed as an abort and no stop rule applies to it.  None
     otherwise."""
-    if request is None or (request in dict(map(tuple, spec.finished))) == (request in dict(map(tuple, engine.finished))):
+    a, b = _finish_reasons(spec, engine, request)
+    if request is None or (a is None) == (b is None):
         return None
     cited = any(r.get("rule") == "ABORT.AFTER_NEXT_SAMPLE" and r.get("request") == request for r in spec.reasons or ())
     return "ABORT.AFTER_NEXT_SAMPLE" if cited else None
@@ -981,10 +987,8 @@ def stop_in_drafts(spec: StepRecord, engine: StepRecord, request: str | None) ->
     reason, or one side only) in a step whose verification accepted some of its drafts (the
     spec's ``accepted``, or its ``SPEC.ACCEPT`` reason): its outputs are appended one by one under
     the stop rules, and the first stop drops the rest.  None otherwise."""
-    if request is None:
-        return None
-    a, b = dict(map(tuple, spec.finished)).get(request), dict(map(tuple, engine.finished)).get(request)
-    if a == b:
+    a, b = _finish_reasons(spec, engine, request)
+    if request is None or a == b:
         return None
     accepted = (spec.accepted or {}).get(request)
     if accepted is None:

@@ -65,6 +65,7 @@ import os
 import sys
 import types
 import warnings
+from collections import Counter
 from dataclasses import fields
 from typing import Any
 
@@ -700,11 +701,7 @@ class SglangEngine:
             if _trace_rid(req) in self._ever_retracted:
                 computed[_trace_rid(req)] = int(req.kv.kv_allocated_len)
         record.computed = computed
-        counts: dict[str, int] = {}
-        for ids in (record.block_ids or {}).values():
-            for slot in ids:
-                counts[str(slot)] = counts.get(str(slot), 0) + 1
-        record.ref_counts = counts
+        record.ref_counts = dict(Counter(str(slot) for ids in (record.block_ids or {}).values() for slot in ids))
         if self.config.enable_prefix_caching:
             record.cached_blocks = sorted(int(x) for x in self.tree_cache.all_values_flatten().tolist())
             record.cache_registered, self._registered = self._registered, {}

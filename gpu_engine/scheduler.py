@@ -92,6 +92,7 @@ def salt_root(cache_salt: str | None) -> int | None:
 
 PRIORITY_SHIFT = 1 << 32  # priority / spf key = base * 2^32 + arrival (arrivals are unique)
 SLO_INFEASIBLE = "slo_infeasible"  # the rejection reason of a request SLO admission control refuses
+TOUCH_EVERY, TOUCH_MAX = 32, 128  # CACHE.TOUCH_WAITING: SGLang's waiting-prefix refresh interval and reach
 
 
 @dataclass
@@ -1059,10 +1060,10 @@ class Scheduler:
             return
         if len(self.running) >= self.config.max_num_seqs and not cut_continues:
             return
-        due, self.touch_rounds = self.touch_rounds % 32 == 0, self.touch_rounds + 1
+        due, self.touch_rounds = self.touch_rounds % TOUCH_EVERY == 0, self.touch_rounds + 1
         if not due:
             return
-        for s in reversed(xp.to_list(self._queue_head(min(self.num_waiting, 128)))):
+        for s in reversed(xp.to_list(self._queue_head(min(self.num_waiting, TOUCH_MAX)))):
             self.pool.lookup(self.hashes[s], int(self.num_tokens[s]) // self.bs)
 
     def _held(self, had_cut: bool) -> bool:
